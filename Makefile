@@ -1,0 +1,76 @@
+# amp_patch: the two README commands (demo, test) and their set-up.
+#
+#   make demo            compare O0-O3 and torch.autocast on the built-in model
+#   make test            the full pytest suite (slow cases included)
+#   make test-fast       the suite without the cases marked slow
+#   make bench           kernel and end-to-end benchmarks -> docs/benchmarks.md
+#   make check-cuda      compile the CUDA kernels against a CUDA build of torch (no GPU needed)
+#
+# By default a virtual environment is made in .venv with pinned torch (CPU).
+# To use an interpreter that already has torch (a GPU machine, say), pass it:
+#   make test PY=python3
+# Then only the package itself is installed into it (--no-deps).
+
+SHELL := /bin/bash
+PY ?=
+VENV := .venv
+CUDA_VENV := .venv-cuda
+CUDA_HOME ?= /usr/local/cuda
+MAX_JOBS ?= 2
+export MAX_JOBS
+
+ifeq ($(strip $(PY)),)
+PYTHON := $(VENV)/bin/python
+ENV_STAMP := $(VENV)/.deps-stamp
+else
+PYTHON := $(PY)
+ENV_STAMP :=
+endif
+
+EXT_SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
+EXT_STAMP := build/.ext-stamp-$(subst /,_,$(PYTHON))
+
+.PHONY: demo test test-fast bench check-cuda install clean
+
+$(VENV)/.deps-stamp: requirements-dev.txt
+	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -r requirements-dev.txt
+	@touch $@
+
+$(EXT_STAMP): $(ENV_STAMP) $(EXT_SOURCES)
+	@mkdir -p build
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $@
+
+install: $(EXT_STAMP)
+
+demo: install
+	$(PYTHON) -m amp_patch compare --out out
+
+test: install
+	AMP_PATCH_REQUIRE_EXT=1 $(PYTHON) -m pytest -q
+
+test-fast: install
+	AMP_PATCH_REQUIRE_EXT=1 $(PYTHON) -m pytest -q -m "not slow"
+
+bench: install
+	$(PYTHON) -m amp_patch bench
+
+# Compiles csrc/ (CPU and CUDA) against torch 2.14.1, a CUDA 13.0 build, in a
+# separate venv. Nothing is installed into the project's environment.
+$(CUDA_VENV)/.deps-stamp: requirements-cuda.txt
+	@test -x $(CUDA_VENV)/bin/python || python3 -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CUDA_VENV)/bin/python -m pip install -q -r requirements-cuda.txt
+	@touch $@
+
+check-cuda: $(CUDA_VENV)/.deps-stamp
+	@site=$$($(CUDA_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	CUDA_HOME=$(CUDA_HOME) CPATH=$$site/nvidia/cu13/include$${CPATH:+:$$CPATH} \
+	TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" \
+	$(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib
+	@ls build/cuda-check/lib/amp_patch/_C*.so >/dev/null && echo "check-cuda: CPU and CUDA kernels compiled"
+
+clean:
+	rm -rf build dist *.egg-info amp_patch/_C*.so out

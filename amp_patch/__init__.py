@@ -1,0 +1,31 @@
+"""amp_patch: Apex-style automatic mixed precision (O0-O3) for current PyTorch.
+
+Use it as Apex's ``amp`` was used::
+
+    import amp_patch as amp
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+
+Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
+"""
+
+from amp_patch import ops
+from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
+from amp_patch.properties import Properties
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # set-up and teardown
+    "initialize",
+    "deinitialize",
+    "Properties",
+    # checkpoints
+    "state_dict",
+    "load_state_dict",
+    # kernels
+    "ops",
+]

@@ -1,0 +1,271 @@
+"""Fused multi-tensor ops behind loss scaling and master weights.
+
+The ops are defined here, once, under the ``amp_patch`` namespace of
+``torch.library``. Each has a pure-PyTorch reference body registered as
+``CompositeExplicitAutograd``. The compiled library ``amp_patch._C`` registers
+C++ kernels for ``CPU`` (and ``CUDA`` when built). Those take precedence over
+the reference, so one name, ``torch.ops.amp_patch.<op>``, routes to the
+fastest kernel available for the tensors' device.
+
+All ops take lists of tensors that may mix dtypes (fp32, fp16, bf16) and
+sizes. Arithmetic is done in fp32 ("opmath") and rounded once to the output
+dtype. ``found_inf`` is a one-element float tensor that an op sets to 1.0 when
+it sees an inf or NaN in the checked input. An op never clears it. Scale
+arguments are one-element tensors on the device, so no op syncs with the host.
+
+.. note::
+    Every tensor in one call must be on the same device as ``found_inf``.
+    Callers group tensors by device first (see :func:`amp_patch.scaler`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "multi_tensor_unscale_",
+    "multi_tensor_unscale_copy_",
+    "multi_tensor_axpby_",
+    "multi_tensor_l2norm",
+    "multi_tensor_copy_",
+    "has_native_kernel",
+    "native_extension_loaded",
+]
+
+logger = logging.getLogger("amp_patch")
+
+NAMESPACE = "amp_patch"
+_lib = torch.library.Library(NAMESPACE, "DEF")
+
+_SCHEMAS = {
+    "multi_tensor_unscale_": (
+        "multi_tensor_unscale_(Tensor(a!)[] tensors, Tensor(b!) found_inf, Tensor inv_scale) -> ()"
+    ),
+    "multi_tensor_unscale_copy_": (
+        "multi_tensor_unscale_copy_(Tensor[] src, Tensor(a!)[] dst, Tensor(b!) found_inf, "
+        "Tensor inv_scale) -> ()"
+    ),
+    "multi_tensor_axpby_": (
+        "multi_tensor_axpby_(Tensor[] x, Tensor(a!)[] y, Tensor(b!) found_inf, float a, float b) -> ()"
+    ),
+    "multi_tensor_l2norm": (
+        "multi_tensor_l2norm(Tensor[] x, bool per_tensor) -> (Tensor total, Tensor per_tensor_norms)"
+    ),
+    "multi_tensor_copy_": "multi_tensor_copy_(Tensor[] src, Tensor(a!)[] dst) -> ()",
+}
+for _schema in _SCHEMAS.values():
+    _lib.define(_schema)
+
+
+def _flag_nonfinite(found_inf: Tensor, t: Tensor) -> None:
+    # masked_fill_ with a 0-dim mask stays on the device: no host sync.
+    if t.numel():
+        found_inf.masked_fill_(~torch.isfinite(t).all(), 1.0)
+
+
+def _check_pairs(src: Sequence[Tensor], dst: Sequence[Tensor], op: str) -> None:
+    if len(src) != len(dst):
+        raise RuntimeError(f"amp_patch::{op}: list lengths differ ({len(src)} vs {len(dst)})")
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if s.shape != d.shape:
+            raise RuntimeError(
+                f"amp_patch::{op}: tensor {i} has shape {tuple(s.shape)} in the first list "
+                f"but {tuple(d.shape)} in the second"
+            )
+
+
+def _unscale_ref(tensors: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    for t in tensors:
+        _flag_nonfinite(found_inf, t)
+        t.copy_(t.float() * inv_scale)
+
+
+def _unscale_copy_ref(
+    src: list[Tensor], dst: list[Tensor], found_inf: Tensor, inv_scale: Tensor
+) -> None:
+    _check_pairs(src, dst, "multi_tensor_unscale_copy_")
+    for s, d in zip(src, dst):
+        _flag_nonfinite(found_inf, s)
+        d.copy_(s.float() * inv_scale)
+
+
+def _axpby_ref(
+    x: list[Tensor], y: list[Tensor], found_inf: Tensor, a: float, b: float
+) -> None:
+    _check_pairs(x, y, "multi_tensor_axpby_")
+    for xi, yi in zip(x, y):
+        _flag_nonfinite(found_inf, xi)
+        yi.copy_(a * xi.float() + b * yi.float())
+
+
+def _l2norm_ref(x: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
+    if not x:
+        return torch.zeros((), dtype=torch.float32), torch.zeros(0, dtype=torch.float32)
+    device = x[0].device
+    norms = torch.stack(
+        [torch.linalg.vector_norm(t.float()) if t.numel() else torch.zeros((), device=device)
+         for t in x]
+    )
+    total = torch.linalg.vector_norm(norms)
+    if not per_tensor:
+        norms = norms.new_empty(0)
+    return total, norms
+
+
+def _copy_ref(src: list[Tensor], dst: list[Tensor]) -> None:
+    _check_pairs(src, dst, "multi_tensor_copy_")
+    for s, d in zip(src, dst):
+        d.copy_(s)
+
+
+def _l2norm_fake(x: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
+    device = x[0].device if x else torch.device("cpu")
+    total = torch.empty((), dtype=torch.float32, device=device)
+    norms = torch.empty(len(x) if per_tensor else 0, dtype=torch.float32, device=device)
+    return total, norms
+
+
+def _no_output_fake(*args, **kwargs) -> None:
+    return None
+
+
+_REFERENCE = {
+    "multi_tensor_unscale_": _unscale_ref,
+    "multi_tensor_unscale_copy_": _unscale_copy_ref,
+    "multi_tensor_axpby_": _axpby_ref,
+    "multi_tensor_l2norm": _l2norm_ref,
+    "multi_tensor_copy_": _copy_ref,
+}
+for _name, _fn in _REFERENCE.items():
+    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(
+        f"{NAMESPACE}::{_name}",
+        _l2norm_fake if _name == "multi_tensor_l2norm" else _no_output_fake,
+        lib=_lib,
+    )
+
+
+def _load_native() -> bool:
+    if os.environ.get("AMP_PATCH_NO_EXT", "0") == "1":
+        logger.debug("AMP_PATCH_NO_EXT=1: using the reference multi-tensor ops")
+        return False
+    try:
+        from amp_patch import _C  # noqa: F401  (loading it registers the kernels)
+    except ImportError as exc:
+        logger.debug("amp_patch._C is not available (%s); using the reference multi-tensor ops", exc)
+        return False
+    return True
+
+
+_NATIVE_LOADED = _load_native()
+
+
+def native_extension_loaded() -> bool:
+    """Whether the compiled library ``amp_patch._C`` was loaded.
+
+    Returns:
+        bool: True when the C++ kernels were built and imported.
+    """
+    return _NATIVE_LOADED
+
+
+def has_native_kernel(device_type: str | torch.device, op: str = "multi_tensor_unscale_") -> bool:
+    """Whether a compiled kernel (not the reference) serves ``op`` on a device type.
+
+    Args:
+        device_type (str or torch.device): ``"cpu"``, ``"cuda"``, or a device.
+        op (str, optional): the op's name without namespace.
+            Default: ``"multi_tensor_unscale_"``.
+
+    Returns:
+        bool: True when the dispatcher holds a kernel registered for that
+        device's dispatch key, False when calls fall back to the reference.
+
+    Example::
+
+        >>> amp_patch.ops.has_native_kernel("cpu")
+        True
+    """
+    key = torch.device(device_type).type.upper()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", key)
+
+
+_ops = getattr(torch.ops, NAMESPACE)
+
+
+def multi_tensor_unscale_(tensors: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """Multiply every tensor by ``inv_scale`` in place, and flag non-finite inputs.
+
+    Args:
+        tensors (list of Tensor): tensors to unscale in place (any floating dtype).
+        found_inf (Tensor): one-element float tensor, set to 1.0 if any input
+            element is inf or NaN. Never cleared.
+        inv_scale (Tensor): one-element float tensor holding ``1 / scale``.
+
+    Example::
+
+        >>> found_inf = torch.zeros(1)
+        >>> multi_tensor_unscale_(grads, found_inf, torch.full((1,), 1 / 65536.0))
+    """
+    _ops.multi_tensor_unscale_(tensors, found_inf, inv_scale)
+
+
+def multi_tensor_unscale_copy_(
+    src: list[Tensor], dst: list[Tensor], found_inf: Tensor, inv_scale: Tensor
+) -> None:
+    """Write ``dst[i] = float(src[i]) * inv_scale`` in one pass, flagging non-finite ``src``.
+
+    This is the O2 path from half model grads into fp32 master grads.
+
+    Args:
+        src (list of Tensor): inputs, read once.
+        dst (list of Tensor): outputs of the same shapes (usually fp32).
+        found_inf (Tensor): one-element float flag, set on inf/NaN in ``src``.
+        inv_scale (Tensor): one-element float tensor holding ``1 / scale``.
+    """
+    _ops.multi_tensor_unscale_copy_(src, dst, found_inf, inv_scale)
+
+
+def multi_tensor_axpby_(
+    x: list[Tensor], y: list[Tensor], found_inf: Tensor, a: float, b: float
+) -> None:
+    """Compute ``y[i] = a * x[i] + b * y[i]`` in place, flagging non-finite ``x``.
+
+    Args:
+        x (list of Tensor): inputs.
+        y (list of Tensor): accumulators, updated in place.
+        found_inf (Tensor): one-element float flag, set on inf/NaN in ``x``.
+        a (float): coefficient of ``x``.
+        b (float): coefficient of ``y``.
+    """
+    _ops.multi_tensor_axpby_(x, y, found_inf, a, b)
+
+
+def multi_tensor_l2norm(x: list[Tensor], per_tensor: bool = False) -> tuple[Tensor, Tensor]:
+    """L2 norm over all tensors (and optionally of each), accumulated in fp32.
+
+    Args:
+        x (list of Tensor): inputs on one device.
+        per_tensor (bool, optional): also return each tensor's norm. Default: False.
+
+    Returns:
+        tuple of Tensor: ``(total, per_tensor_norms)``. ``total`` is a 0-dim fp32
+        tensor; ``per_tensor_norms`` has ``len(x)`` elements, or none when
+        ``per_tensor`` is False.
+    """
+    return _ops.multi_tensor_l2norm(x, per_tensor)
+
+
+def multi_tensor_copy_(src: list[Tensor], dst: list[Tensor]) -> None:
+    """Casting copy ``dst[i].copy_(src[i])`` for many tensors in one call (masters to model).
+
+    Args:
+        src (list of Tensor): sources.
+        dst (list of Tensor): destinations of the same shapes, any floating dtype.
+    """
+    _ops.multi_tensor_copy_(src, dst)

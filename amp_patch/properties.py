@@ -1,0 +1,221 @@
+"""Opt-level presets (O0-O3) and the validated, frozen properties of a session."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC"]
+
+DYNAMIC = "dynamic"
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+# cast_model_type: a dtype, None (leave the model alone) or False (no model or input casting).
+CastType = Union[torch.dtype, None, bool]
+
+
+# Placeholder in the presets for the session's half dtype; resolved in from_opt_level.
+_HALF = "half"
+
+
+@dataclass(frozen=True)
+class Properties:
+    """The resolved settings of one :func:`amp_patch.initialize` call.
+
+    Build it with :meth:`from_opt_level`, which applies an opt level's preset
+    and then the caller's overrides. Construction validates the combination and
+    raises :class:`ValueError` with the reason when it is not allowed.
+
+    Args:
+        opt_level (str): ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O).
+        half_dtype (torch.dtype): ``torch.float16`` or ``torch.bfloat16``.
+        cast_model_type (torch.dtype, None or False): dtype the model is cast
+            to; None leaves it; False disables model and input casting.
+        patch_torch_functions (bool): install the O1 casting wrappers.
+        keep_batchnorm_fp32 (bool or None): keep affine batch norms in fp32
+            when the model is cast to half.
+        master_weights (bool or None): keep fp32 master copies of half params.
+        loss_scale (float or str): a static scale, or ``"dynamic"``.
+        cast_model_outputs (torch.dtype or None): dtype of model outputs; None
+            means fp32 when the model is cast.
+        num_losses (int): number of loss scalers.
+        verbosity (int): 0 silent, 1 the chosen properties, 2 debug.
+        min_loss_scale (float or None): floor of the dynamic scale.
+        max_loss_scale (float): ceiling of the dynamic scale.
+        enabled (bool): False makes amp a no-op.
+    """
+
+    opt_level: str = "O1"
+    half_dtype: torch.dtype = torch.float16
+    cast_model_type: CastType = None
+    patch_torch_functions: bool = True
+    keep_batchnorm_fp32: bool | None = None
+    master_weights: bool | None = None
+    loss_scale: float | str = DYNAMIC
+    cast_model_outputs: torch.dtype | None = None
+    num_losses: int = 1
+    verbosity: int = 1
+    min_loss_scale: float | None = None
+    max_loss_scale: float = 2.0**24
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # normalisation of a frozen instance, before anyone sees it
+        if self.opt_level not in OPT_LEVELS:
+            raise ValueError(
+                f"Unexpected optimization level {self.opt_level!r}. Options are 'O0', 'O1', 'O2', "
+                "'O3'. Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the "
+                "number zero."
+            )
+        if self.half_dtype not in _HALF_DTYPES:
+            raise ValueError(
+                f"half_dtype must be torch.float16 or torch.bfloat16, got {self.half_dtype!r}"
+            )
+        set_(self, "keep_batchnorm_fp32", _parse_optional_bool(self.keep_batchnorm_fp32))
+        set_(self, "loss_scale", _parse_loss_scale(self.loss_scale))
+        if not (self.cast_model_type is None or self.cast_model_type is False
+                or isinstance(self.cast_model_type, torch.dtype)):
+            raise ValueError(
+                "cast_model_type must be a torch.dtype, None or False, "
+                f"got {self.cast_model_type!r}"
+            )
+        if isinstance(self.cast_model_type, torch.dtype) and not self.cast_model_type.is_floating_point:
+            raise ValueError(f"cast_model_type must be a floating dtype, got {self.cast_model_type}")
+        if self.cast_model_outputs is not None and not (
+            isinstance(self.cast_model_outputs, torch.dtype) and self.cast_model_outputs.is_floating_point
+        ):
+            raise ValueError(
+                f"cast_model_outputs must be a floating torch.dtype or None, "
+                f"got {self.cast_model_outputs!r}"
+            )
+        if self.opt_level == "O1":
+            if self.cast_model_type not in (None, False, torch.float32):
+                raise ValueError(
+                    "O1 inserts casts around torch functions rather than casting the model: "
+                    f"cast_model_type must be None, False or torch.float32, not "
+                    f"{self.cast_model_type}. Use O2 or O3 to cast the model to half."
+                )
+            if self.keep_batchnorm_fp32 is not None:
+                raise ValueError(
+                    "O1 does not cast the model, so keep_batchnorm_fp32 must be None "
+                    f"(got {self.keep_batchnorm_fp32!r}). Batch norm already runs in fp32 under O1."
+                )
+            if self.master_weights is not None:
+                raise ValueError(
+                    "O1 keeps the model in fp32, so there is nothing to keep master weights of: "
+                    f"master_weights must be None (got {self.master_weights!r})."
+                )
+        elif self.patch_torch_functions:
+            raise ValueError(
+                f"patch_torch_functions=True is only allowed with O1, not {self.opt_level}: "
+                "the other levels cast the model instead of patching torch."
+            )
+        if self.master_weights is not None and not isinstance(self.master_weights, bool):
+            raise ValueError(f"master_weights must be True, False or None, got {self.master_weights!r}")
+        if not isinstance(self.num_losses, int) or self.num_losses < 1:
+            raise ValueError(f"num_losses must be a positive int, got {self.num_losses!r}")
+        if not (isinstance(self.max_loss_scale, (int, float)) and self.max_loss_scale > 0):
+            raise ValueError(f"max_loss_scale must be a positive number, got {self.max_loss_scale!r}")
+        set_(self, "max_loss_scale", float(self.max_loss_scale))
+        if self.min_loss_scale is not None:
+            if not (isinstance(self.min_loss_scale, (int, float)) and self.min_loss_scale > 0):
+                raise ValueError(
+                    f"min_loss_scale must be a positive number or None, got {self.min_loss_scale!r}"
+                )
+            if self.min_loss_scale > self.max_loss_scale:
+                raise ValueError(
+                    f"min_loss_scale ({self.min_loss_scale}) is above max_loss_scale "
+                    f"({self.max_loss_scale})"
+                )
+            set_(self, "min_loss_scale", float(self.min_loss_scale))
+
+    @classmethod
+    def from_opt_level(
+        cls, opt_level: str, half_dtype: torch.dtype, **overrides: Any
+    ) -> "Properties":
+        """Apply an opt level's preset, then the overrides that are not None.
+
+        Args:
+            opt_level (str): ``"O0"`` to ``"O3"``.
+            half_dtype (torch.dtype): what "half" means for this session.
+            **overrides: any field of :class:`Properties`; None keeps the preset.
+
+        Returns:
+            Properties: the validated settings.
+
+        Example::
+
+            >>> Properties.from_opt_level("O2", torch.bfloat16).loss_scale
+            1.0
+        """
+        if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
+            cls(opt_level=opt_level)  # raises the descriptive error
+        preset = dict(_PRESETS[opt_level])
+        if preset["cast_model_type"] == _HALF:
+            preset["cast_model_type"] = half_dtype
+        if half_dtype == torch.bfloat16:
+            preset["loss_scale"] = 1.0  # bf16 has fp32's range: no scaling needed
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown amp properties: {sorted(unknown)}")
+        preset.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(opt_level=opt_level, half_dtype=half_dtype, **preset)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """True when the loss scale is dynamic."""
+        return self.loss_scale == DYNAMIC
+
+    @property
+    def casts_model(self) -> bool:
+        """True when the model (and its floating inputs) are cast to a dtype."""
+        return isinstance(self.cast_model_type, torch.dtype)
+
+    @property
+    def skips_unscale(self) -> bool:
+        """True for the fast path: a static scale of 1.0 and no master weights."""
+        return self.loss_scale == 1.0 and not self.master_weights
+
+    def describe(self) -> str:
+        """A multi-line, human-readable account of the settings, for logging."""
+        lines = [f"Selected optimization level {self.opt_level} (half dtype {self.half_dtype})"]
+        for name in ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
+                     "keep_batchnorm_fp32", "master_weights", "loss_scale"):
+            lines.append(f"  {name:<22}: {getattr(self, name)}")
+        return "\n".join(lines)
+
+
+def _parse_optional_bool(value: Any) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("True", "False"):
+        return value == "True"
+    raise ValueError(f"keep_batchnorm_fp32 must be True, False, 'True', 'False' or None, got {value!r}")
+
+
+def _parse_loss_scale(value: Any) -> float | str:
+    if value == DYNAMIC:
+        return DYNAMIC
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"loss_scale must be 'dynamic' or a number, got {value!r}") from None
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"loss_scale must be a positive finite number, got {value!r}")
+    return scale
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False,
+               keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
+    "O1": dict(cast_model_type=None, patch_torch_functions=True,
+               keep_batchnorm_fp32=None, master_weights=None, loss_scale=DYNAMIC),
+    "O2": dict(cast_model_type=_HALF, patch_torch_functions=False,
+               keep_batchnorm_fp32=True, master_weights=True, loss_scale=DYNAMIC),
+    "O3": dict(cast_model_type=_HALF, patch_torch_functions=False,
+               keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
+}

@@ -1,0 +1,55 @@
+"""Build script for the ``amp_patch._C`` kernel library.
+
+The C++ CPU kernels are always built. The CUDA kernels are added when torch is a
+CUDA build and a CUDA toolkit is found (``CUDA_HOME``); no GPU is needed to
+compile them. ``AMP_PATCH_NO_EXT=1`` installs the pure-Python package, which
+falls back to the reference ops in ``amp_patch/ops.py``.
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _extensions():
+    if os.environ.get("AMP_PATCH_NO_EXT", "0") == "1":
+        return [], {}
+
+    import torch
+    from torch.utils import cpp_extension
+
+    def rel(pattern):
+        return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    extension = cpp_extension.CppExtension
+    extra = {"cxx": cxx_flags}
+
+    with_cuda = (
+        torch.version.cuda is not None
+        and cpp_extension.CUDA_HOME is not None
+        and os.environ.get("AMP_PATCH_NO_CUDA", "0") != "1"
+    )
+    if with_cuda:
+        sources += rel("csrc/cuda/*.cu")
+        extension = cpp_extension.CUDAExtension
+        extra["nvcc"] = ["-O3", "--use_fast_math", "-std=c++17", "-lineinfo"]
+        cxx_flags.append("-DAMP_PATCH_WITH_CUDA")
+
+    ext = extension(
+        name="amp_patch._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args=extra,
+        py_limited_api=False,
+    )
+    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
+    return [ext], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
