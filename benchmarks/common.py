@@ -1,0 +1,116 @@
+"""Shared by the benchmark scripts: machine facts, interleaved timing, and the report file.
+
+Each script owns one section of ``docs/benchmarks.md``, delimited by
+``<!-- section:NAME -->`` markers, and rewrites only that section.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+_HEADER = """# Benchmarks
+
+Written by the scripts in `benchmarks/` (`make bench`). Every row is a ratio
+against an anchor measured in the same process run, interleaved, as the median
+of several repeats: absolute times on shared machines move from run to run.
+Each section states the machine, torch version and date it was measured on.
+"""
+
+
+def machine() -> str:
+    """A one-line description: CPU model and threads (or GPU name), torch version, date."""
+    if torch.cuda.is_available():
+        where = f"GPU {torch.cuda.get_device_name()}"
+    else:
+        where = f"CPU {_cpu_model()}, {torch.get_num_threads()} threads"
+    return f"{where}; torch {torch.__version__}; {datetime.date.today().isoformat()}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for queued work on ``device`` (a no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_median(
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 7,
+    inner: int = 1,
+    device: str | torch.device = "cpu",
+    warmup: int = 2,
+) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin.
+
+    Each repeat times every function once (``inner`` calls each), in turn, so
+    that machine noise falls on all of them alike.
+
+    Args:
+        fns (dict): label to zero-argument callable.
+        repeats (int, optional): rounds; the median over rounds is reported.
+        inner (int, optional): calls per timing, for very short functions.
+        device (str, optional): synchronised around each timing.
+        warmup (int, optional): untimed rounds first.
+
+    Returns:
+        dict: label to median seconds per call.
+    """
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(warmup + repeats):
+        for label, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync(device)
+            if r >= warmup:
+                times[label].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_section(name: str, body: str, path: Path | None = None) -> Path:
+    """Replace (or append) section ``name`` of the report with ``body``.
+
+    Args:
+        name (str): section id, e.g. ``"kernels-cpu"``.
+        body (str): markdown, including the section's own heading.
+        path (Path, optional): the report file. Default: ``docs/benchmarks.md``
+            (``AMP_PATCH_BENCH_REPORT`` overrides it).
+
+    Returns:
+        Path: the file written.
+    """
+    path = Path(path or os.environ.get("AMP_PATCH_BENCH_REPORT") or REPORT)
+    text = path.read_text() if path.exists() else _HEADER
+    block = f"<!-- section:{name} -->\n{body.strip()}\n<!-- end:{name} -->"
+    pattern = re.compile(rf"<!-- section:{re.escape(name)} -->.*?<!-- end:{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
