@@ -14,6 +14,8 @@ Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
 
 from amp_patch import ops
 from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
+from amp_patch.handle import scale_loss
+from amp_patch.optim import master_params
 from amp_patch.properties import Properties
 
 __version__ = "0.1.0"
@@ -26,6 +28,9 @@ __all__ = [
     # checkpoints
     "state_dict",
     "load_state_dict",
+    # training loop
+    "scale_loss",
+    "master_params",
     # kernels
     "ops",
 ]

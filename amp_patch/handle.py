@@ -1,0 +1,153 @@
+"""``scale_loss``: the context manager around ``backward()`` that scales, unscales and checks."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from amp_patch import session as _session
+from amp_patch.optim import OptimizerRecord
+
+__all__ = ["scale_loss"]
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: Tensor,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_id: int = 0,
+    model: torch.nn.Module | None = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Iterator[Tensor]:
+    """Scale a loss for ``backward()``, then unscale and check the gradients on exit.
+
+    Yields ``loss.float() * scale``, where ``scale`` is the current scale of
+    loss scaler ``loss_id``. On a normal exit, the gradients of every param
+    the given optimizers hold are unscaled by fused multi-tensor ops, one
+    call per (kind, device, dtype): in place for params stepped directly, and
+    from half model grads into fp32 master grads under O2 (or accumulated
+    into grads already there: ``y = x / scale + y``). Every pass, and the
+    loss itself, feed one overflow flag. The scaler then updates, with the
+    one host sync of the iteration; on overflow the next ``step()`` of each
+    of these optimizers is skipped and the scale halves (dynamic scaling).
+    The O1 weight-cast cache is cleared.
+
+    With a static scale of 1.0 and no master weights (O0, O3, and O1 with
+    bf16 by default) this is a fast path: it yields ``loss.float()`` and
+    neither unscales nor checks.
+
+    Args:
+        loss (Tensor): the loss; NaN or inf in it counts as an overflow.
+        optimizers (torch.optim.Optimizer or list): optimizers, all passed to
+            :func:`amp_patch.initialize`, whose params this backward reaches.
+        loss_id (int, optional): which loss scaler to use, below ``num_losses``. Default: 0.
+        model (torch.nn.Module, optional): accepted for Apex compatibility; unused.
+        delay_unscale (bool, optional): leave the grads scaled and do nothing
+            else on exit (gradient accumulation; the last call of the window
+            unscales everything accumulated). Default: False.
+        delay_overflow_check (bool, optional): unscale, but neither update
+            the scale nor skip; the overflow flag stays raised until the
+            next exit that checks. Default: False.
+
+    Yields:
+        Tensor: the scaled loss, fp32.
+
+    Raises:
+        RuntimeError: :func:`amp_patch.initialize` was not called, ``loss_id``
+            is out of range, or an optimizer was not passed to initialize.
+        amp_patch.scaler.LossScaleCollapseError: the dynamic scale would fall
+            below its floor; names the params with non-finite grads.
+
+    .. note::
+        Call ``optimizer.step()`` after the block, and clip gradients (on
+        :func:`amp_patch.master_params`) between the block and the step.
+
+    Example::
+
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()
+    """
+    session = _session.require("amp_patch.scale_loss()")
+    props = session.props
+    if not props.enabled:
+        yield loss
+        return
+    opt_list = _as_optimizer_list(optimizers)
+    if not isinstance(loss_id, int) or isinstance(loss_id, bool) or not 0 <= loss_id < props.num_losses:
+        raise RuntimeError(
+            f"loss_id={loss_id!r} is out of range: initialize() was called with "
+            f"num_losses={props.num_losses}, so loss_id must be in 0..{props.num_losses - 1}"
+        )
+    records = [session.record_for(opt) for opt in opt_list]
+    if props.skips_unscale:
+        try:
+            yield loss.float()
+        finally:
+            _end_iteration(session)
+        return
+
+    scaler = session.scalers[loss_id]
+    if not delay_unscale:
+        for record in records:
+            record.prepare_backward()
+    scaler.check_loss(loss)
+    try:
+        yield loss.float() * scaler.loss_scale
+    except BaseException:
+        for record in records:
+            record.abandon_backward()
+        _end_iteration(session)
+        raise
+
+    try:
+        if delay_unscale:
+            for record in records:
+                record.scaled_grads_pending = True
+            return
+        in_place: list[Tensor] = []
+        copy: tuple[list[Tensor], list[Tensor]] = ([], [])
+        accumulate: tuple[list[Tensor], list[Tensor]] = ([], [])
+        for record in records:
+            record.collect_unscale(in_place, copy, accumulate)
+        scaler.unscale(in_place, copy, accumulate)
+        if delay_overflow_check:
+            return
+        if scaler.update(lambda: _nonfinite_names(session, records)):
+            for record in records:
+                record.skip_next_step = True
+    finally:
+        _end_iteration(session)
+
+
+def _end_iteration(session: _session.AmpSession) -> None:
+    if session.casts is not None:
+        session.casts.cache.clear()
+
+
+def _as_optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    if isinstance(optimizers, (list, tuple)) and all(
+            isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        return list(optimizers)
+    raise TypeError(
+        "scale_loss: optimizers must be an Optimizer or a list of Optimizers, "
+        f"got {type(optimizers).__name__}"
+    )
+
+
+def _nonfinite_names(session: _session.AmpSession, records: list[OptimizerRecord]) -> list[str]:
+    names: dict[int, str] = {}
+    for mi, model in enumerate(session.models):
+        prefix = f"model{mi}." if len(session.models) > 1 else ""
+        for name, param in model.named_parameters():
+            names.setdefault(id(param), prefix + name)
+    found: list[str] = []
+    for record in records:
+        found += [n for n in record.nonfinite_grad_names(names) if n not in found]
+    return found

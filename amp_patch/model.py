@@ -1,0 +1,135 @@
+"""O0/O2/O3 model casting: params and buffers through ``.data``, and input/output cast hooks.
+
+The cast keeps every :class:`~torch.nn.Parameter` object (only its ``.data``
+changes), so optimizers built before :func:`amp_patch.initialize` still hold
+the model's parameters. Inputs and outputs are cast by forward hooks, not by
+an overwritten ``forward``: DataParallel replicas copy hooks with the module.
+
+Which tensors are cast: floating tensors of fp16, bf16 and fp32, the same rule
+as O1's wrappers (SPEC section 3). float64 passes through, so a caller who
+deliberately feeds doubles (a double-precision target, say) keeps them;
+integer, bool and complex tensors, strings, ndarrays and other objects pass
+through untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from amp_patch.session import AmpSession
+
+__all__ = ["prepare", "cast_floating", "CASTABLE_DTYPES"]
+
+#: The floating dtypes amp converts; float64 is left as the caller made it.
+CASTABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+def prepare(session: AmpSession) -> None:
+    """Cast the session's models and register the input/output cast hooks.
+
+    Does nothing when ``props.cast_model_type`` is not a dtype (O1, or
+    ``cast_model_type=False``). Otherwise every floating parameter and buffer
+    becomes ``cast_model_type`` (through ``.data``), except those of affine
+    batch norms when ``keep_batchnorm_fp32`` is set and the model type is a
+    half dtype. A forward pre-hook casts floating inputs to the model type; a
+    forward hook casts floating outputs to ``cast_model_outputs`` (fp32 when
+    None). Removing the hooks is registered with ``session.on_close``.
+
+    Args:
+        session (AmpSession): the session being built; its ``models`` are changed in place.
+
+    Example::
+
+        >>> session = AmpSession(Properties.from_opt_level("O2", torch.bfloat16), [model], [])
+        >>> prepare(session)
+        >>> next(model.parameters()).dtype
+        torch.bfloat16
+    """
+    props = session.props
+    if not props.casts_model:
+        return
+    model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
+    output_dtype = props.cast_model_outputs or torch.float32
+    keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
+    handles = []
+    for model in session.models:
+        _cast_module(model, model_dtype, keep_bn)
+
+        def cast_inputs(module, args, kwargs, _dtype=model_dtype):
+            return cast_floating(args, _dtype), cast_floating(kwargs, _dtype)
+
+        def cast_outputs(module, args, output, _dtype=output_dtype):
+            return cast_floating(output, _dtype)
+
+        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        handles.append(model.register_forward_hook(cast_outputs))
+
+    def remove_hooks() -> None:
+        for handle in handles:
+            handle.remove()
+
+    session.on_close("model hooks", remove_hooks)
+
+
+def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+    for module in model.modules():
+        if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) and module.affine:
+            continue  # SyncBatchNorm is a _BatchNorm too
+        for param in module.parameters(recurse=False):
+            if param.dtype in CASTABLE_DTYPES and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                if param.grad is not None:
+                    param.grad = param.grad.to(dtype)
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.dtype in CASTABLE_DTYPES and buf.dtype != dtype:
+                buf.data = buf.data.to(dtype)
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast the fp16/bf16/fp32 tensors in ``value`` to ``dtype``, through nested containers.
+
+    Lists, tuples, namedtuples and mappings are rebuilt with their own types;
+    other objects (strings, ndarrays, float64 and integer tensors) are
+    returned as they are. A tensor already of ``dtype`` is returned itself.
+
+    Args:
+        value: a tensor, a container of them, or anything else.
+        dtype (torch.dtype): the target floating dtype.
+
+    Returns:
+        ``value`` with its castable tensors converted.
+
+    Example::
+
+        >>> out = cast_floating({"x": torch.ones(2), "ids": torch.arange(2)}, torch.bfloat16)
+        >>> out["x"].dtype, out["ids"].dtype
+        (torch.bfloat16, torch.int64)
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype in CASTABLE_DTYPES and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, tuple):
+        items = [cast_floating(v, dtype) for v in value]
+        if hasattr(value, "_fields"):  # namedtuple (PackedSequence included)
+            return type(value)(*items)
+        return tuple(items) if type(value) is tuple else type(value)(items)
+    if isinstance(value, list):
+        items = [cast_floating(v, dtype) for v in value]
+        return items if type(value) is list else type(value)(items)
+    if isinstance(value, Mapping):
+        if type(value) is dict:
+            return {k: cast_floating(v, dtype) for k, v in value.items()}
+        out = copy.copy(value)  # keeps OrderedDict, defaultdict's factory, and the like
+        for k, v in value.items():
+            out[k] = cast_floating(v, dtype)
+        return out
+    return value

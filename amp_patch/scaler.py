@@ -1,0 +1,315 @@
+"""The loss scaler: scale and overflow flag as device tensors, the update rule, its checkpoint state.
+
+One :class:`LossScaler` exists per ``loss_id``. Its scale lives twice: as a
+host float (the *mirror*, used to scale the loss and as the float argument of
+``multi_tensor_axpby_``) and, per device, as a one-element ``inv_scale``
+tensor that the fused kernels read. The overflow flag ``found_inf`` is a
+one-element tensor per device that the kernels set. :meth:`LossScaler.update`
+reads the flags with the one host sync of an iteration and then changes the
+mirror and the device tensors together, so the two never disagree.
+
+:func:`group_by_device_and_dtype` is the one place where tensors are split
+for the fused ops; every fused call in amp_patch goes through it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from amp_patch import ops
+from amp_patch.properties import DYNAMIC, Properties
+
+__all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype"]
+
+logger = logging.getLogger("amp_patch")
+
+#: Dynamic scale start (Apex's 2**16, capped by ``max_loss_scale``).
+INITIAL_DYNAMIC_SCALE = 2.0**16
+#: Clean iterations after which a dynamic scale doubles.
+SCALE_WINDOW = 2000
+#: Floor below which the scale must never go (it would reach denormals, then 0).
+DEFAULT_MIN_LOSS_SCALE = 2.0**-24
+
+GroupKey = tuple[torch.device, torch.dtype]
+
+
+def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[list[Tensor], ...]]:
+    """Split parallel lists of tensors by the (device, dtype) of the first list's tensors.
+
+    Each fused op call takes tensors of one device; grouping by dtype too lets
+    a kernel pick one specialisation per call. The lists are kept parallel:
+    element ``i`` of every list lands in the same group, in the original order.
+
+    Args:
+        *lists (sequence of Tensor): lists of equal length; the first decides the groups.
+
+    Returns:
+        dict: ``(device, dtype)`` to a tuple with one list per input list.
+
+    Example::
+
+        >>> groups = group_by_device_and_dtype(model_grads, master_grads)
+        >>> for (device, dtype), (src, dst) in groups.items():
+        ...     ops.multi_tensor_unscale_copy_(src, dst, found_inf, inv_scale)
+    """
+    if not lists:
+        return {}
+    n = len(lists[0])
+    if any(len(lst) != n for lst in lists):
+        raise ValueError("group_by_device_and_dtype: the lists must have equal lengths")
+    groups: dict[GroupKey, tuple[list[Tensor], ...]] = {}
+    for i, key_tensor in enumerate(lists[0]):
+        key = (key_tensor.device, key_tensor.dtype)
+        bucket = groups.get(key)
+        if bucket is None:
+            bucket = groups[key] = tuple([] for _ in lists)
+        for out, lst in zip(bucket, lists):
+            out.append(lst[i])
+    return groups
+
+
+class LossScaleCollapseError(RuntimeError):
+    """The dynamic loss scale would fall below its floor: the gradients are non-finite at any scale."""
+
+
+class _DeviceTensors:
+    """The scaler's tensors on one device: ``found_inf`` (0.0 or 1.0) and ``inv_scale``."""
+
+    __slots__ = ("found_inf", "inv_scale")
+
+    def __init__(self, device: torch.device, scale: float) -> None:
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self.inv_scale = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
+
+
+class LossScaler:
+    """Static or dynamic loss scaling for one ``loss_id``.
+
+    A dynamic scale starts at ``min(2**16, max_loss_scale)``. An overflow
+    halves it (never below ``min_loss_scale``) and restarts the count of clean
+    iterations; after 2000 clean iterations it doubles, up to
+    ``max_loss_scale``. A static scale never changes, but an overflow still
+    makes the step be skipped. Iterations are counted per :meth:`update`, i.e.
+    per exit of :func:`amp_patch.scale_loss` for this ``loss_id``.
+
+    Args:
+        loss_scale (float or str): a static scale, or ``"dynamic"``.
+        loss_id (int, optional): which loss this scaler serves (for messages). Default: 0.
+        min_loss_scale (float, optional): floor of the dynamic scale. When it
+            is set the scale halves down to it; one more overflow there is a
+            collapse. Default: None, meaning a collapse below ``2**-24``.
+        max_loss_scale (float, optional): ceiling of the dynamic scale. Default: ``2**24``.
+        scale_window (int, optional): clean iterations before doubling. Default: 2000.
+
+    .. note::
+        The scale and overflow flag are tensors on the gradients' device,
+        created the first time a device is seen. :meth:`update` is the only
+        method that syncs with the host, once.
+
+    Example::
+
+        >>> scaler = LossScaler("dynamic")
+        >>> scaler.loss_scale
+        65536.0
+    """
+
+    def __init__(
+        self,
+        loss_scale: float | str,
+        loss_id: int = 0,
+        min_loss_scale: float | None = None,
+        max_loss_scale: float = 2.0**24,
+        scale_window: int = SCALE_WINDOW,
+    ) -> None:
+        self.dynamic = loss_scale == DYNAMIC
+        self.loss_id = loss_id
+        self.max_loss_scale = float(max_loss_scale)
+        self.min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
+        self.scale_window = scale_window
+        self._scale = min(INITIAL_DYNAMIC_SCALE, self.max_loss_scale) if self.dynamic else float(loss_scale)
+        self._unskipped = 0
+        self._skipped = 0
+        self._devices: dict[torch.device, _DeviceTensors] = {}
+
+    @classmethod
+    def from_properties(cls, props: Properties, loss_id: int = 0) -> "LossScaler":
+        """The scaler for ``loss_id`` of a session's properties.
+
+        Args:
+            props (Properties): the session's settings.
+            loss_id (int, optional): the loss it serves. Default: 0.
+
+        Returns:
+            LossScaler: a new scaler.
+        """
+        return cls(props.loss_scale, loss_id=loss_id, min_loss_scale=props.min_loss_scale,
+                   max_loss_scale=props.max_loss_scale)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale (the host mirror; reading it does not sync)."""
+        return self._scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many updates found an overflow since the scaler was made (or loaded)."""
+        return self._skipped
+
+    def device_tensors(self, device: torch.device) -> _DeviceTensors:
+        """The ``found_inf`` and ``inv_scale`` tensors on ``device``, made on first use."""
+        state = self._devices.get(device)
+        if state is None:
+            state = self._devices[device] = _DeviceTensors(device, self._scale)
+        return state
+
+    def check_loss(self, loss: Tensor) -> None:
+        """Flag an overflow if ``loss`` holds an inf or NaN (no host sync).
+
+        This also makes sure the loss's device has a flag, so that every
+        process takes part in :meth:`update`'s all-reduce even with no grads.
+        """
+        state = self.device_tensors(loss.device)
+        state.found_inf.masked_fill_(~torch.isfinite(loss.detach()).all(), 1.0)
+
+    def unscale(
+        self,
+        in_place: Iterable[Tensor] = (),
+        copy: tuple[Sequence[Tensor], Sequence[Tensor]] = ((), ()),
+        accumulate: tuple[Sequence[Tensor], Sequence[Tensor]] = ((), ()),
+    ) -> None:
+        """Unscale gradients with one fused call per (kind, device, dtype), flagging inf/NaN.
+
+        Args:
+            in_place (iterable of Tensor): grads divided by the scale in place
+                (``multi_tensor_unscale_``).
+            copy (pair of lists): ``(src, dst)``: ``dst = float(src) / scale``
+                (``multi_tensor_unscale_copy_``, half model grads into fresh
+                fp32 master grads).
+            accumulate (pair of lists): ``(x, y)``: ``y = x / scale + y``
+                (``multi_tensor_axpby_``, new scaled grads into grads that
+                already hold unscaled ones).
+
+        .. note::
+            Nothing here syncs; the flags are read by :meth:`update`.
+        """
+        for (device, _), (grads,) in group_by_device_and_dtype(list(in_place)).items():
+            state = self.device_tensors(device)
+            ops.multi_tensor_unscale_(grads, state.found_inf, state.inv_scale)
+        for (device, _), (src, dst) in group_by_device_and_dtype(*copy).items():
+            state = self.device_tensors(device)
+            ops.multi_tensor_unscale_copy_(src, dst, state.found_inf, state.inv_scale)
+        for (device, _), (x, y) in group_by_device_and_dtype(*accumulate).items():
+            state = self.device_tensors(device)
+            ops.multi_tensor_axpby_(x, y, state.found_inf, 1.0 / self._scale, 1.0)
+
+    def _read_overflow(self) -> bool:
+        flags = [state.found_inf for state in self._devices.values()]
+        if not flags:
+            return False
+        # Prefer an accelerator flag as the meeting point: a device-to-host copy
+        # of the others would be a sync each.
+        flags.sort(key=lambda f: f.device.type == "cpu")
+        flag = flags[0] if len(flags) == 1 else torch.stack(
+            [f.to(flags[0].device, non_blocking=True) for f in flags]).amax(0)
+        flag = _all_reduce_max(flag)
+        overflow = flag.item() != 0.0  # the one host sync of an iteration
+        for f in flags:
+            f.zero_()
+        return overflow
+
+    def update(self, nonfinite_names: Callable[[], list[str]] | None = None) -> bool:
+        """Read the overflow flags (one host sync), then adjust the scale and count.
+
+        On overflow the dynamic scale halves and the count of clean iterations
+        restarts, and the Apex message is logged at INFO. After
+        ``scale_window`` clean iterations the dynamic scale doubles.
+
+        Args:
+            nonfinite_names (callable, optional): returns the names of the
+                parameters whose gradients are non-finite; called only to word
+                the collapse error.
+
+        Returns:
+            bool: True when an overflow was seen (the step must be skipped).
+
+        Raises:
+            LossScaleCollapseError: the scale would fall below its floor.
+        """
+        overflow = self._read_overflow()
+        if not overflow:
+            self._unskipped += 1
+            if self.dynamic and self._unskipped >= self.scale_window:
+                self._set_scale(min(self.max_loss_scale, self._scale * 2.0))
+                self._unskipped = 0
+            return False
+        self._skipped += 1
+        self._unskipped = 0
+        if self.dynamic:
+            floor = DEFAULT_MIN_LOSS_SCALE if self.min_loss_scale is None else self.min_loss_scale
+            halved = self._scale / 2.0
+            if halved < floor and (self.min_loss_scale is None or self._scale <= floor):
+                names = nonfinite_names() if nonfinite_names is not None else []
+                raise LossScaleCollapseError(
+                    f"loss scaler {self.loss_id}: gradients are non-finite even at loss scale "
+                    f"{self._scale}; it would fall below the floor {floor}. Non-finite gradients "
+                    f"in: {', '.join(names) if names else 'the loss itself (no gradient was non-finite)'}"
+                )
+            self._set_scale(max(halved, floor))
+        logger.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s",
+                    self.loss_id, self._scale)
+        return True
+
+    def _set_scale(self, scale: float) -> None:
+        self._scale = scale
+        for state in self._devices.values():
+            state.inv_scale.fill_(1.0 / scale)  # a host-to-device write: no sync
+
+    def state_dict(self) -> dict:
+        """The checkpoint state.
+
+        Returns:
+            dict: ``{"loss_scale": float, "unskipped": int, "skipped": int, "dynamic": bool}``.
+        """
+        return {"loss_scale": self._scale, "unskipped": self._unskipped,
+                "skipped": self._skipped, "dynamic": self.dynamic}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the state saved by :meth:`state_dict`; pending overflow flags are cleared.
+
+        Args:
+            state (dict): needs ``"loss_scale"`` and ``"unskipped"``; other keys are optional.
+
+        Raises:
+            ValueError: if the saved scale is not a positive finite number.
+        """
+        scale = float(state["loss_scale"])
+        if not (0.0 < scale < float("inf")):
+            raise ValueError(f"loss scaler {self.loss_id}: invalid saved loss_scale {scale!r}")
+        self._unskipped = int(state["unskipped"])
+        self._skipped = int(state.get("skipped", 0))
+        self._set_scale(scale)
+        for dev in self._devices.values():
+            dev.found_inf.zero_()
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return f"LossScaler(id={self.loss_id}, {kind}, scale={self._scale}, unskipped={self._unskipped})"
+
+
+def _all_reduce_max(flag: Tensor) -> Tensor:
+    """Make every process agree on the overflow decision (a no-op outside torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    backend = dist.get_backend()
+    if backend == "nccl" and flag.device.type != "cuda":
+        flag = flag.to(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        flag = flag.clone()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag
