@@ -1,0 +1,97 @@
+"""O1: casting wrappers on torch functions and Tensor methods.
+
+:func:`install` is what :func:`amp_patch.initialize` calls at O1. It gives the
+session its :class:`~amp_patch.patching.state.CastState` (``session.casts``)
+and patches ``torch``, ``torch.nn.functional``, ``torch.Tensor``, the RNN
+kernels in ``torch._VF`` and the registered user functions, recording every
+patch so that :func:`amp_patch.deinitialize` restores the very same objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from amp_patch.patching import lists, rnn
+from amp_patch.patching.patcher import Patcher
+from amp_patch.patching.registry import REGISTRY
+from amp_patch.patching.state import CastState, disable_casts
+from amp_patch.patching.wrappers import Policy, make_wrapper
+
+__all__ = ["install", "namespaces", "CastState", "disable_casts"]
+
+logger = logging.getLogger("amp_patch")
+
+
+def namespaces() -> list[tuple[Any, str, lists.CastLists]]:
+    """Every patched namespace: (object, printable prefix, its cast lists)."""
+    out = [(torch, "torch", lists.TORCH), (F, "torch.nn.functional", lists.FUNCTIONAL),
+           (torch.Tensor, "torch.Tensor", lists.TENSOR)]
+    out += [(vf, "torch._VF", vf_lists) for vf, vf_lists in rnn.targets()]
+    return out
+
+
+def _entries(cast_lists: lists.CastLists) -> Iterable[tuple[str, Policy, str | None]]:
+    for policy in (Policy.HALF, Policy.FP32, Policy.PROMOTE, Policy.SEQUENCE_PROMOTE,
+                   Policy.IN_PLACE_FP32, Policy.IN_PLACE):
+        for name in getattr(cast_lists, policy.value):
+            yield name, policy, None
+    for name, message in cast_lists.banned:
+        yield name, Policy.BANNED, message
+
+
+def install(session, *, allow_banned: bool = False, enable_caching: bool = True) -> Patcher:
+    """Patch torch for O1 and register the undo with the session.
+
+    Sets ``session.casts`` to a new :class:`CastState` with the session's
+    ``half_dtype``. The undo ("O1 patches") is registered before the first
+    patch, so a failure part-way still leaves torch unpatched after
+    :func:`amp_patch.deinitialize`; it also clears the cache and resets
+    ``session.casts`` to None.
+
+    Args:
+        session (AmpSession): the session being built.
+        allow_banned (bool, optional): run banned functions in fp32 instead
+            of raising. Default: False.
+        enable_caching (bool, optional): use the weight-cast cache. Default: True.
+
+    Returns:
+        Patcher: the records of the installed patches.
+
+    Example::
+
+        >>> session = AmpSession(Properties.from_opt_level("O1", torch.bfloat16), [], [])
+        >>> install(session)
+        >>> session.casts.half_dtype
+        torch.bfloat16
+    """
+    state = CastState(session.props.half_dtype, allow_banned=allow_banned,
+                      enable_caching=enable_caching)
+    patcher = Patcher()
+
+    def undo() -> None:
+        try:
+            patcher.undo_all()
+        finally:
+            state.cache.clear()
+            session.casts = None
+
+    session.casts = state
+    session.on_close("O1 patches", undo)
+
+    def wrap(policy: Policy, qualname: str, message: str | None):
+        return lambda original: make_wrapper(policy, original, state, qualname, message)
+
+    for target, prefix, cast_lists in namespaces():
+        for name, policy, message in _entries(cast_lists):
+            patcher.patch(target, name, wrap(policy, f"{prefix}.{name}", message))
+    for entry in list(REGISTRY.entries):
+        owner = getattr(entry.target, "__name__", type(entry.target).__name__)
+        if not patcher.patch(entry.target, entry.name, wrap(entry.policy, f"{owner}.{entry.name}", None)):
+            logger.warning("amp_patch: registered %s.%s no longer exists; not patched", owner, entry.name)
+    logger.debug("amp_patch O1: %d functions and methods patched (half dtype %s)",
+                 len(patcher), state.half_dtype)
+    return patcher

@@ -1,0 +1,119 @@
+"""The O1 weight-cast cache: each fp32 weight is cast at most once per iteration per dtype."""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["WeightCastCache", "cacheable"]
+
+
+def cacheable(tensor: torch.Tensor) -> bool:
+    """True for what the cache holds: fp32 leaf tensors that require grad (parameters).
+
+    Args:
+        tensor (torch.Tensor): any tensor.
+    """
+    return tensor.dtype is torch.float32 and tensor.requires_grad and tensor.is_leaf
+
+
+class _Entry(NamedTuple):
+    cast: torch.Tensor
+    version: int
+    data_ptr: int
+    made_with_grad: bool
+
+
+class WeightCastCache:
+    """Casts of fp32 parameters to a lower precision, reused within one iteration.
+
+    Keys are the parameters, held weakly: an entry goes away with its
+    parameter. An entry is made again when the parameter's version counter
+    moved (an optimizer step or an in-place edit), when its storage was
+    replaced (``param.data = ...``, a move to another device), or when it
+    was made under ``no_grad`` and the current call records gradients.
+
+    A cast made with grad enabled is the output of ``param.to(dtype)`` and
+    carries its autograd edge, so gradients reach the fp32 parameter through
+    a cached cast exactly as through a fresh one.
+
+    .. note::
+        A cast made with grad enabled references its parameter through that
+        autograd edge, so until :meth:`clear` runs it keeps the parameter
+        alive, as ``torch.autocast``'s cache does until its region exits.
+        ``scale_loss`` clears the cache on exit; casts made under
+        ``no_grad`` hold no such reference.
+
+    Args:
+        enabled (bool, optional): False makes :meth:`cast` a plain cast.
+            Default: True.
+
+    Attributes:
+        casts (int): casts made through this cache so far (for tests and
+            diagnostics).
+
+    Example::
+
+        >>> cache = WeightCastCache()
+        >>> w16 = cache.cast(linear.weight, torch.bfloat16)
+        >>> cache.cast(linear.weight, torch.bfloat16) is w16
+        True
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.casts = 0
+        self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cast(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``param.to(dtype)``, reused while the entry is valid.
+
+        Args:
+            param (torch.Tensor): an fp32 leaf that requires grad (see
+                :func:`cacheable`); other tensors are cast without caching.
+            dtype (torch.dtype): the target dtype.
+
+        Returns:
+            torch.Tensor: the cast.
+        """
+        if not self.enabled or not cacheable(param):
+            return param.to(dtype)
+        key = (id(param), dtype)
+        entry = self._entries.get(key)
+        grad_on = torch.is_grad_enabled()
+        if (entry is not None and entry.version == param._version
+                and entry.data_ptr == param.data_ptr()
+                and (entry.made_with_grad or not grad_on)
+                and entry.cast.device == param.device):
+            return entry.cast
+        cast = param.to(dtype)
+        self.casts += 1
+        if key[0] not in self._refs:
+            self._refs[key[0]] = weakref.ref(param, self._forget_callback(key[0]))
+        self._entries[key] = _Entry(cast, param._version, param.data_ptr(), grad_on)
+        return cast
+
+    def _forget_callback(self, pid: int):
+        this = weakref.ref(self)
+
+        def forget(_ref: weakref.ref) -> None:
+            cache = this()
+            if cache is not None:
+                cache._forget(pid)
+        return forget
+
+    def _forget(self, pid: int) -> None:
+        self._refs.pop(pid, None)
+        for key in [k for k in self._entries if k[0] == pid]:
+            del self._entries[key]
+
+    def clear(self) -> None:
+        """Drop every entry: the next use of each weight casts it again (one iteration ended)."""
+        self._entries.clear()
+        self._refs.clear()

@@ -1,0 +1,108 @@
+"""Recorded, exactly undoable attribute patches."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable, NamedTuple
+
+import wrapt
+
+__all__ = ["Patcher", "PatchRecord"]
+
+logger = logging.getLogger("amp_patch")
+
+
+class PatchRecord(NamedTuple):
+    """One installed patch.
+
+    Attributes:
+        parent: the module, class or object whose attribute was replaced.
+        name (str): the attribute name on ``parent``.
+        original: the value found (for classes, from the ``__dict__`` of the
+            class in the MRO that defines it: the unbound function).
+        owned (bool): whether ``name`` was in ``parent``'s own ``__dict__``;
+            undo then restores it with setattr, otherwise deletes the patch
+            so the inherited (or ``__getattr__``-provided) value shows again.
+    """
+
+    parent: Any
+    name: str
+    original: Any
+    owned: bool
+
+
+class Patcher:
+    """Replaces attributes and remembers how to put every one of them back.
+
+    Example::
+
+        >>> patcher = Patcher()
+        >>> patcher.patch(torch, "mm", lambda original: my_wrapper(original))
+        True
+        >>> patcher.undo_all()    # torch.mm is the original object again
+    """
+
+    def __init__(self) -> None:
+        self.records: list[PatchRecord] = []
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def patch(self, target: Any, path: str, make: Callable[[Any], Any]) -> bool:
+        """Replace ``target.<path>`` by ``make(original)``.
+
+        Args:
+            target: a module, class or object.
+            path (str): an attribute name, dotted for nested ones
+                (``"linalg.multi_dot"``).
+            make (callable): takes the original (unbound, for a class attribute)
+                and returns the replacement.
+
+        Returns:
+            bool: False, with nothing changed, when the attribute does not exist.
+        """
+        try:
+            parent, name, original = wrapt.resolve_path(target, path)
+        except (wrapt.PathResolutionError, AttributeError):
+            return False
+        owned = name in _own_dict(parent)
+        if isinstance(original, staticmethod):
+            replacement = staticmethod(make(original.__func__))
+        else:
+            replacement = make(original)
+        setattr(parent, name, replacement)
+        self.records.append(PatchRecord(parent, name, original, owned))
+        return True
+
+    def undo_all(self) -> None:
+        """Restore every patch, last first. Every undo runs even if one fails.
+
+        Raises:
+            RuntimeError: after all ran, naming the attributes that could not be restored.
+        """
+        failures = []
+        while self.records:
+            record = self.records.pop()
+            try:
+                if record.owned:
+                    setattr(record.parent, record.name, record.original)
+                else:
+                    delattr(record.parent, record.name)
+            except Exception as exc:  # keep going: a half-restored torch is worse
+                failures.append(f"{_describe(record.parent)}.{record.name}: {exc!r}")
+        if failures:
+            raise RuntimeError("could not restore " + "; ".join(failures))
+
+
+def _own_dict(parent: Any) -> dict:
+    try:
+        return vars(parent)
+    except TypeError:
+        return {}
+
+
+def _describe(parent: Any) -> str:
+    if inspect.ismodule(parent) or inspect.isclass(parent):
+        return parent.__name__
+    return type(parent).__name__
