@@ -15,7 +15,17 @@ Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
 from amp_patch import ops
 from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
 from amp_patch.handle import scale_loss
+from amp_patch.legacy import init
 from amp_patch.optim import master_params
+from amp_patch.patching.registry import (
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+from amp_patch.patching.state import disable_casts
 from amp_patch.properties import Properties
 
 __version__ = "0.1.0"
@@ -31,6 +41,16 @@ __all__ = [
     # training loop
     "scale_loss",
     "master_params",
+    # O1 casting
+    "disable_casts",
+    "half_function",
+    "float_function",
+    "promote_function",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+    # legacy handle API
+    "init",
     # kernels
     "ops",
 ]
