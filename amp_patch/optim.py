@@ -250,6 +250,18 @@ class OptimizerRecord:
         return out
 
     def _add_param_group(self, wrapped, instance, args, kwargs):
+        group = _call_arg(instance, args, kwargs, "param_group")
+        params = group.get("params", ()) if isinstance(group, dict) else ()
+        params = [params] if isinstance(params, Tensor) else list(params)
+        if any(id(p) in self._master_of for p in params):
+            # torch's own duplicate check compares with param_groups, which hold the masters.
+            raise ValueError("some parameters appear in more than one parameter group")
+        if isinstance(group, dict):
+            group = dict(group, params=params)  # a generator may be read only once
+            if "param_group" in kwargs:
+                kwargs = dict(kwargs, param_group=group)
+            else:
+                args = args[:len(args) - 1] + (group,)
         out = wrapped(*args, **kwargs)
         if self.master_weights:
             self._attach_masters(self.optimizer.param_groups[-1])
@@ -383,7 +395,7 @@ def _drop_self(bound_or_function: Callable) -> Callable:
     return adapter
 
 
-_POSITIONS = {"closure": 0, "set_to_none": 0}
+_POSITIONS = {"closure": 0, "set_to_none": 0, "param_group": 0}
 
 
 def _call_arg(instance, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:

@@ -1,0 +1,229 @@
+"""scale_loss: what it yields, the fused passes it makes, its flags, its errors, its host syncs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+
+import amp_patch as amp
+from amp_patch import ops
+from training_utils import mlp, mlp_batch, xent
+
+FUSED = ("multi_tensor_unscale_", "multi_tensor_unscale_copy_", "multi_tensor_axpby_",
+         "multi_tensor_copy_")
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    calls: list[tuple[str, int]] = []
+    for name in FUSED:
+        orig = getattr(ops, name)
+        monkeypatch.setattr(ops, name,
+                            lambda *a, _n=name, _o=orig: (calls.append((_n, len(a[0]))), _o(*a))[1])
+    return calls
+
+
+def one_backward(model, opt, **kw):
+    x, y = mlp_batch(0)
+    loss = xent(model(x), y)
+    with amp.scale_loss(loss, opt, **kw) as scaled:
+        scaled.backward()
+    return loss, scaled
+
+
+def test_errors_before_initialize_bad_loss_id_foreign_optimizer():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="initialize"):
+        with amp.scale_loss(torch.tensor(1.0), opt):
+            pass
+    amp.initialize(model, opt, opt_level="O2", num_losses=2, verbosity=0)
+    for bad in (2, -1, "0"):
+        with pytest.raises(RuntimeError, match="loss_id"):
+            with amp.scale_loss(torch.tensor(1.0), opt, loss_id=bad):
+                pass
+    other = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="not passed to amp_patch.initialize"):
+        with amp.scale_loss(torch.tensor(1.0), [opt, other]):
+            pass
+    with pytest.raises(TypeError):
+        with amp.scale_loss(torch.tensor(1.0), "opt"):
+            pass
+
+
+def test_disabled_yields_loss_untouched():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", enabled=False, verbosity=0)
+    loss = torch.tensor(2.0, dtype=torch.float64)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled is loss
+
+
+@pytest.mark.parametrize("level", ["O0", "O3", "O1"])
+def test_fast_path_makes_no_pass(level, op_calls):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=level, verbosity=0)  # bf16: static 1.0, no masters
+    _, scaled = one_backward(model, opt)
+    assert op_calls == [] and scaled.dtype == torch.float32
+    grads = [p.grad.clone() for p in model.parameters()]
+    grads[0][0] = float("inf")  # the fast path checks nothing, as plain torch
+    opt.step()
+
+
+def test_yields_scaled_float_loss_and_unscales():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = mlp()
+    amp.initialize(model, opt, opt_level="O0", loss_scale=1024.0, verbosity=0)
+    loss, scaled = one_backward(model, opt)
+    assert scaled.dtype == torch.float32
+    assert torch.equal(scaled.detach(), loss.float().detach() * 1024.0)
+    amp.deinitialize()
+    x, y = mlp_batch(0)
+    xent(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)  # a power-of-two scale round-trips exactly
+
+
+def test_o2_one_fused_call_per_group(op_calls):
+    model = torch.nn.Sequential(mlp(), torch.nn.LayerNorm(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    model[1].float()  # an fp32 param stepped directly, next to the bf16 ones with masters
+    opt.param_groups[0]["params"][-2:] = list(model[1].parameters())
+    one_backward(model, opt)
+    assert sorted(op_calls) == [("multi_tensor_unscale_", 2), ("multi_tensor_unscale_copy_", 4)]
+    op_calls.clear()
+    opt.step()
+    assert op_calls == [("multi_tensor_copy_", 4)]
+
+
+def test_delay_unscale_leaves_grads_scaled_then_accumulates(op_calls):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    one_backward(model, opt, delay_unscale=True)
+    assert op_calls == []
+    assert all(p.grad is None for p in amp.master_params(opt))
+    first = [p.grad.float() for p in model.parameters()]
+    one_backward(model, opt)  # accumulates onto the scaled grads, then unscales all
+    assert [n for n, _ in op_calls] == ["multi_tensor_unscale_copy_"]
+    for g, master in zip(first, amp.master_params(opt)):
+        torch.testing.assert_close(master.grad, 2 * g / 2.0**16, rtol=0.02, atol=1e-6)
+
+
+def test_second_unscale_accumulates_with_axpby(op_calls):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    one_backward(model, opt)
+    first = [p.grad.clone() for p in amp.master_params(opt)]
+    one_backward(model, opt)
+    assert [n for n, _ in op_calls] == ["multi_tensor_unscale_copy_", "multi_tensor_axpby_"]
+    for g, master in zip(first, amp.master_params(opt)):
+        torch.testing.assert_close(master.grad, 2 * g)
+
+
+def test_two_losses_one_optimizer_without_masters_do_not_mix_scales():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", num_losses=2, verbosity=0)
+    session = amp.frontend._session.current()
+    session.scalers[1].load_state_dict({"loss_scale": 8.0, "unskipped": 0})
+    x, y = mlp_batch(0)
+    with amp.scale_loss(xent(model(x), y), opt, loss_id=0) as s:
+        s.backward()
+    g0 = [p.grad.clone() for p in model.parameters()]
+    with amp.scale_loss(xent(model(x), y), opt, loss_id=1) as s:
+        s.backward()
+    for g, p in zip(g0, model.parameters()):
+        torch.testing.assert_close(p.grad, 2 * g, rtol=0.02, atol=1e-5)
+
+
+def test_delay_overflow_check_unscales_without_update_or_skip():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    scaler = amp.frontend._session.current().scalers[0]
+    x, y = mlp_batch(0)
+    with amp.scale_loss(xent(model(x), y), opt, delay_overflow_check=True) as s:
+        s.backward()
+        model[0].weight.grad[0, 0] = float("inf")
+    assert all(p.grad is not None for p in amp.master_params(opt))
+    assert scaler.loss_scale == 2.0**16 and scaler.state_dict()["unskipped"] == 0
+    before = [p.clone() for p in model.parameters()]
+    opt.step()  # not skipped: the check was delayed
+    assert not torch.equal(before[1], model[0].bias)
+    opt.zero_grad()
+    one_backward(model, opt)  # the raised flag is read by the next checking exit
+    assert scaler.loss_scale == 2.0**15
+
+
+def test_overflow_message_logged(caplog):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=1)
+    x, y = mlp_batch(0)
+    with caplog.at_level(logging.INFO, logger="amp_patch"):
+        with amp.scale_loss(xent(model(x), y) * float("nan"), opt) as s:
+            s.backward()
+    assert "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0" in [
+        r.getMessage() for r in caplog.records]
+
+
+def test_o1_cache_cleared_on_exit():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    session = amp.frontend._session.current()
+    cleared = []
+    orig = session.casts.cache.clear
+    session.casts.cache.clear = lambda: (cleared.append(1), orig())[1]
+    one_backward(model, opt)
+    one_backward(model, opt, delay_unscale=True)
+    assert cleared == [1, 1]
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Counts every Tensor -> Python conversion (item, bool, float, int, tolist) inside."""
+    counts = {"n": 0}
+    names = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist")
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+
+    def make(n):
+        orig = originals[n]
+
+        def counted(self, *a, **k):
+            counts["n"] += 1
+            return orig(self, *a, **k)
+        return counted
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, make(n))
+        yield counts
+    finally:
+        for n, orig in originals.items():
+            setattr(torch.Tensor, n, orig)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exactly_one_host_sync_per_iteration_o2_dynamic(dtype):
+    model = mlp(d_in=4, hidden=4, d_out=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, opt, opt_level="O2", half_dtype=dtype, loss_scale="dynamic", verbosity=0)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 0, 1])
+    for _ in range(3):
+        with count_host_syncs() as syncs:
+            loss = xent(model(x), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+        assert syncs["n"] == 1

@@ -1,0 +1,83 @@
+"""Small models, seeded batches and snapshots shared by the training-loop tests."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_patch as amp
+
+
+def mlp(seed: int = 0, d_in: int = 8, hidden: int = 16, d_out: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+
+
+def convnet(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
+    )
+
+
+def mlp_batch(step: int, batch: int = 16, d_in: int = 8, d_out: int = 4):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(batch, d_in, generator=g)
+    teacher = torch.Generator().manual_seed(7)
+    w = torch.randn(d_in, d_out, generator=teacher)
+    return x, (x @ w).argmax(1)
+
+
+def conv_batch(step: int, batch: int = 8):
+    g = torch.Generator().manual_seed(2000 + step)
+    x = torch.randn(batch, 3, 6, 6, generator=g)
+    return x, (x.mean((1, 2, 3)) > 0).long() + (x[:, 0].mean((1, 2)) > 0).long()
+
+
+def xent(out, y):
+    return F.cross_entropy(out.float(), y)
+
+
+def snapshot(models, optimizers) -> list[torch.Tensor]:
+    """Clones of every param, buffer, stepped tensor (masters) and optimizer-state tensor."""
+    out = []
+    for m in models:
+        out += [t.detach().clone() for t in m.state_dict().values()]
+    for opt in optimizers:
+        for p in amp.master_params(opt):
+            out.append(p.detach().clone())
+            for v in opt.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    out.append(v.detach().clone())
+    return out
+
+
+def assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        assert torch.equal(x, y) or (x.isnan() == y.isnan()).all() and torch.equal(
+            x.nan_to_num(0.0), y.nan_to_num(0.0)), f"tensor {i} differs"
+
+
+def train(model: nn.Module, optimizer, steps: int, batch_fn: Callable = mlp_batch,
+          start: int = 0, skip_steps: frozenset = frozenset(), on_backward=None) -> list[float]:
+    """The plain amp loop; returns the losses. ``skip_steps`` batches are left out entirely."""
+    losses = []
+    for step in range(start, start + steps):
+        if step in skip_steps:
+            continue
+        x, y = batch_fn(step)
+        loss = xent(model(x), y)
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+            if on_backward is not None:
+                on_backward(step)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
