@@ -1,0 +1,181 @@
+"""``apex.fp16_utils`` for ``amp-patch run``: the manual mixed-precision helpers.
+
+Apex's ``fp16_utils`` predates ``amp``: helpers to cast a network to half
+while keeping batch norms in fp32, and to keep fp32 master copies of the
+parameters by hand. Those helpers are here. "fp16" means the half dtype of
+the device, as everywhere in amp_patch: float16 on CUDA, bfloat16 elsewhere
+(fp16 matmuls on most CPUs are hundreds of times slower than fp32).
+
+``FP16_Optimizer`` and the old ``LossScaler`` / ``DynamicLossScaler`` classes
+are not provided: ``amp.initialize(model, optimizer, opt_level="O2")`` and
+``amp.scale_loss`` do the same job (fp32 master weights, dynamic loss
+scaling, skipped steps on overflow).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = [
+    "tofp16",
+    "BN_convert_float",
+    "network_to_half",
+    "convert_module",
+    "convert_network",
+    "FP16Model",
+    "prep_param_lists",
+    "model_grads_to_master_grads",
+    "master_params_to_model_params",
+    "to_python_float",
+    "clip_grad_norm",
+]
+
+#: torch's gradient-norm clipping, which Apex re-exported.
+clip_grad_norm = nn.utils.clip_grad_norm_
+
+
+def _half_for(device: torch.device) -> torch.dtype:
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def _model_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+class tofp16(nn.Module):  # noqa: N801 - Apex's name
+    """Casts its floating input to a half dtype (the first module of :func:`network_to_half`).
+
+    Args:
+        dtype (torch.dtype, optional): the target. Default: float16 for CUDA
+            inputs, bfloat16 otherwise.
+    """
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point():
+            return x
+        return x.to(self.dtype or _half_for(x.device))
+
+
+def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 - Apex's name
+    """Cast every affine batch norm in ``module`` back to fp32, in place; returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, _BatchNorm) and m.affine:
+            m.float()
+    return module
+
+
+def network_to_half(network: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Cast ``network`` to half with fp32 batch norms, behind a :class:`tofp16` input cast.
+
+    Args:
+        network (torch.nn.Module): the model.
+        dtype (torch.dtype, optional): Default: float16 on CUDA, else bfloat16.
+
+    Returns:
+        torch.nn.Sequential: ``Sequential(tofp16(), network)``.
+    """
+    dtype = dtype or _half_for(_model_device(network))
+    return nn.Sequential(tofp16(dtype), BN_convert_float(network.to(dtype)))
+
+
+def convert_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast the floating parameters and buffers of ``module`` itself (not its children) to ``dtype``."""
+    for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)
+            if t.grad is not None:
+                t.grad.data = t.grad.data.to(dtype)
+    return module
+
+
+def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast ``network`` to ``dtype``, leaving affine batch norms in fp32; in place, returns it."""
+    for m in network.modules():
+        if isinstance(m, _BatchNorm) and m.affine:
+            continue
+        convert_module(m, dtype)
+    return network
+
+
+class FP16Model(nn.Module):
+    """A network converted to half (batch norms fp32) whose floating inputs are cast to half.
+
+    Args:
+        network (torch.nn.Module): the model, converted in place.
+        dtype (torch.dtype, optional): Default: float16 on CUDA, else bfloat16.
+    """
+
+    def __init__(self, network: nn.Module, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dtype = dtype or _half_for(_model_device(network))
+        self.network = convert_network(network, self.dtype)
+
+    def forward(self, *inputs):
+        return self.network(*(x.to(self.dtype) if torch.is_tensor(x) and x.is_floating_point()
+                              else x for x in inputs))
+
+
+def prep_param_lists(model: nn.Module, flat_master: bool = False):
+    """The model's trainable params and fp32 master copies of them.
+
+    Args:
+        model (torch.nn.Module): the (half) model.
+        flat_master (bool, optional): one flat fp32 master tensor instead of
+            one per parameter; needs all params of one dtype. Default: False.
+
+    Returns:
+        tuple: ``(model_params, master_params)``, both lists.
+    """
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    if flat_master:
+        flat = _flatten_dense_tensors([p.detach() for p in model_params]).float()
+        master = nn.Parameter(flat)
+        master.grad = torch.zeros_like(master)
+        return model_params, [master]
+    masters = [nn.Parameter(p.detach().clone().float()) for p in model_params]
+    return model_params, masters
+
+
+def model_grads_to_master_grads(model_params: Iterable[torch.Tensor],
+                                master_params: list[torch.Tensor], flat_master: bool = False) -> None:
+    """Copy the model's grads into the fp32 masters' grads (None grads stay None)."""
+    model_params = list(model_params)
+    if flat_master:
+        master_params[0].grad.data.copy_(_flatten_dense_tensors([p.grad.data for p in model_params]))
+        return
+    for model, master in zip(model_params, master_params):
+        if model.grad is None:
+            master.grad = None
+        elif master.grad is None:
+            master.grad = model.grad.detach().float()
+        else:
+            master.grad.copy_(model.grad)
+
+
+def master_params_to_model_params(model_params: Iterable[torch.Tensor],
+                                  master_params: list[torch.Tensor], flat_master: bool = False) -> None:
+    """Copy the fp32 masters' values back into the (half) model params."""
+    model_params = list(model_params)
+    if flat_master:
+        for model, master in zip(model_params,
+                                 _unflatten_dense_tensors(master_params[0].data, model_params)):
+            model.data.copy_(master)
+        return
+    for model, master in zip(model_params, master_params):
+        model.data.copy_(master.data)
+
+
+def to_python_float(t) -> float:
+    """A Python float from a one-element tensor (or a number)."""
+    return t.item() if hasattr(t, "item") else float(t[0])

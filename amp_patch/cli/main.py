@@ -1,0 +1,89 @@
+"""The ``amp-patch`` command: ``compare``, ``run`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import amp_patch
+from amp_patch.cli import compare, run
+
+__all__ = ["main", "build_parser"]
+
+EPILOG = """\
+examples:
+  amp-patch compare                        # O0-O3 and torch.autocast on the built-in LM, ~1 min on CPU
+  amp-patch compare --model mlp --steps 50 --out out/
+  amp-patch compare --model mypkg.models:make_workload --levels O0 O2 --json results.json
+  amp-patch run train.py --epochs 1        # an unchanged `from apex import amp` script
+  amp-patch bench                          # kernel and end-to-end benchmarks (source checkout)
+
+`amp-patch COMMAND --help` describes each command. Docs: docs/ in the repository.
+"""
+
+#: The benchmark scripts, in the order `bench` runs them; missing ones are skipped.
+BENCHMARKS = ("bench_kernels.py", "bench_overhead.py", "bench_o2_step.py", "bench_e2e.py")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``amp-patch`` command."""
+    parser = argparse.ArgumentParser(
+        prog="amp-patch",
+        description="Apex-style automatic mixed precision (O0-O3) for current PyTorch: "
+                    "compare the opt levels on a model, or run an Apex-era script unchanged.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"amp_patch {amp_patch.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    compare.add_parser(sub)
+    run.add_parser(sub)
+    _add_bench_parser(sub)
+    return parser
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="run the benchmark scripts and rewrite docs/benchmarks.md (source checkout)",
+        description="Run the scripts in the repository's benchmarks/ directory "
+                    f"({', '.join(BENCHMARKS)}, those present), each printing a table and "
+                    "rewriting its section of docs/benchmarks.md. Needs a source checkout.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  amp-patch bench\n  amp-patch bench --only kernels e2e\n")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   choices=[b[len("bench_"):-len(".py")] for b in BENCHMARKS],
+                   help="run only these (kernels, overhead, o2_step, e2e)")
+    p.set_defaults(func=_bench)
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    root = Path(amp_patch.__file__).resolve().parent.parent / "benchmarks"
+    wanted = [b for b in BENCHMARKS if ns.only is None or b[len("bench_"):-len(".py")] in ns.only]
+    scripts = [root / b for b in wanted if (root / b).is_file()]
+    if not scripts:
+        print(f"amp-patch bench: no benchmark scripts found in {root}. The benchmarks are not part "
+              "of the installed package; run this from a source checkout of amp_patch "
+              "(`pip install -e .` there, then `make bench`).", file=sys.stderr)
+        return 2
+    failed = []
+    for script in scripts:
+        print(f"== {script.name}", flush=True)
+        if subprocess.run([sys.executable, str(script)], cwd=root.parent).returncode != 0:
+            failed.append(script.name)
+    if failed:
+        print(f"amp-patch bench: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``amp-patch`` console script and of ``python -m amp_patch``.
+
+    Args:
+        argv (list of str, optional): the arguments. Default: ``sys.argv[1:]``.
+
+    Returns:
+        int: the exit status.
+    """
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)
