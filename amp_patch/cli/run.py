@@ -27,7 +27,7 @@ examples:
   amp-patch run train.py --epochs 2 --lr 0.1
   python -m amp_patch run examples/legacy_apex_train.py --steps 20
   amp-patch run -m mypackage.train --config small.yaml
-  torchrun --nproc_per_node 2 -m amp_patch run train_ddp.py
+  torchrun --standalone --nproc_per_node 2 -m amp_patch run train_ddp.py
 """
 
 
