@@ -22,6 +22,10 @@ def cacheable(tensor: torch.Tensor) -> bool:
 class _Entry(NamedTuple):
     cast: torch.Tensor
     version: int
+    # The storage address. It changes with ``param.data = ...`` and with a move
+    # to another device: a new storage, and under CUDA's unified virtual
+    # addressing host and device allocations never share an address. So it
+    # also stands for the device check, which would cost more per call.
     data_ptr: int
     made_with_grad: bool
 
@@ -82,21 +86,29 @@ class WeightCastCache:
         Returns:
             torch.Tensor: the cast.
         """
-        if not self.enabled or not cacheable(param):
+        if not cacheable(param):
             return param.to(dtype)
-        key = (id(param), dtype)
-        entry = self._entries.get(key)
-        grad_on = torch.is_grad_enabled()
-        if (entry is not None and entry.version == param._version
-                and entry.data_ptr == param.data_ptr()
-                and (entry.made_with_grad or not grad_on)
-                and entry.cast.device == param.device):
-            return entry.cast
+        return self.lookup(param, dtype)
+
+    def lookup(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`cast` for a ``param`` already known to be :func:`cacheable` (the wrappers' path)."""
+        entry = self._entries.get((id(param), dtype))
+        # Indexing rather than names: this is the per-call hot path (see _Entry).
+        if (entry is not None and entry[1] == param._version and entry[2] == param.data_ptr()
+                and (entry[3] or not torch.is_grad_enabled())):
+            return entry[0]
+        return self._make(param, dtype)
+
+    def _make(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         cast = param.to(dtype)
+        if not self.enabled:
+            return cast
         self.casts += 1
-        if key[0] not in self._refs:
-            self._refs[key[0]] = weakref.ref(param, self._forget_callback(key[0]))
-        self._entries[key] = _Entry(cast, param._version, param.data_ptr(), grad_on)
+        pid = id(param)
+        if pid not in self._refs:
+            self._refs[pid] = weakref.ref(param, self._forget_callback(pid))
+        self._entries[(pid, dtype)] = _Entry(cast, param._version, param.data_ptr(),
+                                             torch.is_grad_enabled())
         return cast
 
     def _forget_callback(self, pid: int):

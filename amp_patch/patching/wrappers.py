@@ -6,9 +6,9 @@ exactly like function forms: the wrapper is installed on the class, so
 ``self`` arrives as ``args[0]`` (uncast) and the saved unbound original is
 called with the cast ``self``.
 
-Every wrapper runs a tight pre-check over its positional arguments first and
-calls the original untouched, allocating nothing, when no floating tensor
-needs a cast. Only then does :func:`apply_policy` do the full work.
+Every wrapper runs a tight pre-check over its arguments first and calls the
+original untouched, allocating nothing, when no floating tensor needs a
+cast. Only then does :func:`apply_policy` do the full work.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from typing import Any, Callable
 
 import torch
 
-from amp_patch.patching.cache import cacheable
-
 __all__ = ["Policy", "make_wrapper", "apply_policy", "CASTABLE"]
 
 _Tensor = torch.Tensor
@@ -28,7 +26,11 @@ _FP32 = torch.float32
 _HALVES = frozenset((torch.float16, torch.bfloat16))
 #: The only dtypes that O1 ever casts from or to.
 CASTABLE = frozenset((torch.float16, torch.bfloat16, torch.float32))
-_CONTAINERS = (list, tuple, dict)
+_SEQUENCES = (list, tuple)
+#: For each castable dtype, the other castable dtypes: what an in-place op would cast.
+_OTHERS = {d: CASTABLE - {d} for d in CASTABLE}
+#: Returned by :func:`_promote_scan` once two floating dtypes were seen.
+_MIXED = object()
 
 
 class Policy(enum.Enum):
@@ -56,26 +58,117 @@ def _collect(obj: Any, found: set) -> None:
             _collect(item, found)
 
 
+def _needs_cast(items, needs: frozenset) -> bool:
+    """Whether any tensor in ``items`` (nested lists/tuples/dicts too) has a dtype in ``needs``.
+
+    The wrappers' pre-check: it allocates nothing and returns at the first hit.
+    """
+    for a in items:
+        if isinstance(a, _Tensor):
+            if a.dtype in needs:
+                return True
+        elif isinstance(a, _SEQUENCES):
+            if _needs_cast(a, needs):
+                return True
+        elif isinstance(a, dict):
+            if _needs_cast(a.values(), needs):
+                return True
+    return False
+
+
+def _promote_scan(items, first):
+    """The one castable dtype among ``items`` (or ``first``, None if none), or ``_MIXED``."""
+    for a in items:
+        if isinstance(a, _Tensor):
+            d = a.dtype
+            if d in CASTABLE:
+                if first is None:
+                    first = d
+                elif d is not first:
+                    return _MIXED
+        elif isinstance(a, _SEQUENCES):
+            first = _promote_scan(a, first)
+            if first is _MIXED:
+                return _MIXED
+        elif isinstance(a, dict):
+            first = _promote_scan(a.values(), first)
+            if first is _MIXED:
+                return _MIXED
+    return first
+
+
+#: The C conversion methods: cheaper to call than ``Tensor.to(dtype)`` (no argument
+#: parsing) and, being TensorBase's own, never the patched versions.
+_CONVERT = {
+    torch.float32: torch._C.TensorBase.float,
+    torch.float16: torch._C.TensorBase.half,
+    torch.bfloat16: torch._C.TensorBase.bfloat16,
+}
+
+
+def _cast_items(items, dtype: torch.dtype, cache) -> list | None:
+    """``items`` as a new list with each castable floating tensor of another dtype cast
+    to ``dtype``, or None when none needed a cast (nothing is allocated then).
+
+    fp32 leaves that require grad go through the weight cache when ``cache`` is
+    given; nested containers are rebuilt by :func:`_cast`. Scanning and casting
+    in one pass keeps the wrappers' cast path to a single loop.
+    """
+    needs = _OTHERS[dtype]
+    out = None
+    i = 0
+    for a in items:
+        if isinstance(a, _Tensor):
+            d = a.dtype
+            if d in needs:
+                if out is None:
+                    out = list(items)
+                if cache is not None and d is _FP32 and a.requires_grad and a.is_leaf:
+                    out[i] = cache.lookup(a, dtype)
+                else:
+                    out[i] = _CONVERT[dtype](a)
+        elif isinstance(a, (list, tuple, dict)):
+            cast = _cast(a, dtype, cache)
+            if cast is not a:
+                if out is None:
+                    out = list(items)
+                out[i] = cast
+        i += 1
+    return out
+
+
 def _cast(obj: Any, dtype: torch.dtype, cache) -> Any:
     """``obj`` with every castable floating tensor of another dtype cast to ``dtype``.
 
-    Containers are rebuilt with their own type (namedtuples included); fp32
-    leaves that require grad go through the weight cache when casting down.
+    Containers are rebuilt with their own type (namedtuples included) when
+    something inside was cast; otherwise ``obj`` itself comes back.
     """
     if isinstance(obj, _Tensor):
-        if obj.dtype is dtype or obj.dtype not in CASTABLE:
-            return obj
-        if cache is not None and cacheable(obj):
-            return cache.cast(obj, dtype)
-        return obj.to(dtype)
-    if isinstance(obj, list):
-        return [_cast(item, dtype, cache) for item in obj]
-    if isinstance(obj, tuple):
-        items = [_cast(item, dtype, cache) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        items = _cast_items((obj,), dtype, cache)
+        return obj if items is None else items[0]
     if isinstance(obj, dict):
-        return type(obj)((k, _cast(v, dtype, cache)) for k, v in obj.items())
+        items = _cast_items(obj.values(), dtype, cache)
+        return obj if items is None else type(obj)(zip(obj.keys(), items))
+    if isinstance(obj, (list, tuple)):
+        items = _cast_items(obj, dtype, cache)
+        if items is None:
+            return obj
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
+
+
+def _cast_args(args: tuple, kwargs: dict, dtype: torch.dtype, cache) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with their castable floating tensors cast to ``dtype``."""
+    items = _cast_items(args, dtype, cache)
+    if items is not None:
+        args = tuple(items)
+    if kwargs:
+        items = _cast_items(kwargs.values(), dtype, cache)
+        if items is not None:
+            kwargs = dict(zip(kwargs.keys(), items))
+    return args, kwargs
 
 
 def _widest(dtypes: set) -> torch.dtype:
@@ -144,9 +237,10 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
                 f"result in a {this.dtype} tensor; use the out-of-place form "
                 f"({name.rstrip('_').replace('__i', '__')}) instead"
             )
-        target = this.dtype
-        return fn(this, *_cast(args[1:], target, None), **_cast(kwargs, target, None))
-    return fn(*_cast(args, target, cache), **_cast(kwargs, target, cache))
+        rest, kwargs = _cast_args(args[1:], kwargs, this.dtype, None)
+        return fn(this, *rest, **kwargs)
+    args, kwargs = _cast_args(args, kwargs, target, cache)
+    return fn(*args, **kwargs)
 
 
 def make_wrapper(policy: Policy, original: Callable, state, name: str,
@@ -163,45 +257,37 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
     Returns:
         callable: the wrapper, carrying ``original`` as ``__wrapped__``.
     """
-    if policy is Policy.HALF:
-        needs = CASTABLE - {state.half_dtype}
-    elif policy is Policy.FP32 or policy is Policy.BANNED:
-        needs = _HALVES
-    else:
-        needs = None
+    if policy is Policy.HALF or policy is Policy.FP32:
+        target = state.half_dtype if policy is Policy.HALF else _FP32
+        needs = _OTHERS[target] if policy is Policy.HALF else _HALVES
+        cache = state.cache
 
-    if needs is not None:
+        # The commonest wrappers scan and cast in one pass, skipping apply_policy.
         def wrapper(*args, **kwargs):
             if state.enabled:
-                for a in args:
-                    if isinstance(a, _Tensor):
-                        if a.dtype in needs:
-                            break
-                    elif isinstance(a, _CONTAINERS):
-                        break
-                else:
-                    if not kwargs:
-                        return original(*args)
+                cast = _cast_items(args, target, cache)
+                if kwargs and _needs_cast(kwargs.values(), needs):
+                    args, kwargs = _cast_args(args, kwargs, target, cache)
+                    return original(*args, **kwargs)
+                if cast is not None:
+                    return original(*cast, **kwargs)
+            return original(*args, **kwargs)
+    elif policy is Policy.BANNED:
+        needs = _HALVES
+
+        def wrapper(*args, **kwargs):
+            if state.enabled and (_needs_cast(args, needs)
+                                  or (kwargs and _needs_cast(kwargs.values(), needs))):
                 return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
     elif policy is Policy.PROMOTE:
         def wrapper(*args, **kwargs):
             if state.enabled:
-                first = None
-                for a in args:
-                    if isinstance(a, _Tensor):
-                        d = a.dtype
-                        if d in CASTABLE:
-                            if first is None:
-                                first = d
-                            elif d is not first:
-                                break
-                    elif isinstance(a, _CONTAINERS):
-                        break
-                else:
-                    if not kwargs:
-                        return original(*args)
-                return apply_policy(policy, original, state, name, args, kwargs, message)
+                first = _promote_scan(args, None)
+                if kwargs and first is not _MIXED:
+                    first = _promote_scan(kwargs.values(), first)
+                if first is _MIXED:
+                    return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
     elif policy is Policy.SEQUENCE_PROMOTE:
         def wrapper(*args, **kwargs):
@@ -212,20 +298,11 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
         def wrapper(*args, **kwargs):
             if state.enabled and args:
                 this = args[0]
-                if isinstance(this, _Tensor):
-                    d = this.dtype
-                    if d in CASTABLE:
-                        if policy is Policy.IN_PLACE_FP32 and d is not _FP32:
-                            return apply_policy(policy, original, state, name, args, kwargs, message)
-                        for a in args[1:]:
-                            if isinstance(a, _Tensor):
-                                if a.dtype is not d and a.dtype in CASTABLE:
-                                    break
-                            elif isinstance(a, _CONTAINERS):
-                                break
-                        else:
-                            if not kwargs:
-                                return original(*args)
+                if isinstance(this, _Tensor) and this.dtype in CASTABLE:
+                    needs = _OTHERS[this.dtype]
+                    if ((policy is Policy.IN_PLACE_FP32 and this.dtype is not _FP32)
+                            or _needs_cast(args[1:], needs)
+                            or (kwargs and _needs_cast(kwargs.values(), needs))):
                         return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
 
