@@ -24,8 +24,15 @@ def _extensions():
     def rel(pattern):
         return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
-    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
-    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    # The per-ISA builds of the CPU loops link last and in increasing ISA order:
+    # for an inline function that several objects emit, the linker keeps the
+    # first copy, so baseline code never calls one compiled for AVX2/AVX-512
+    # (see csrc/cpu/vec_loops.h).
+    isa = [f"csrc/cpu/isa/{name}.cpp" for name in ("default", "avx2", "avx512")]
+    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + isa
+    # No FMA contraction: the kernels must round a*x and b*y separately, as the
+    # reference ops do, to be bit-identical with them.
+    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"]
     extension = cpp_extension.CppExtension
     extra = {"cxx": cxx_flags}
 

@@ -1,0 +1,392 @@
+// CPU kernels of the amp_patch multi-tensor ops (schemas: amp_patch/ops.py).
+//
+// Each op turns its tensor lists into flat runs of memory (Job), cuts the
+// concatenation of all of them into equal tasks (Plan), and runs the tasks with
+// at::parallel_for, calling the vectorised loop for each piece (vec_loops.h).
+// Tensors whose elements are not one dense run take a slow path: a contiguous
+// copy, and for outputs a copy back afterwards.
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <deque>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cpu/kernel_table.h"
+
+namespace amp_patch::cpu {
+
+namespace {
+
+struct Selected {
+  std::string name;
+  KernelTable table;
+};
+
+// torch's capability honours ATEN_CPU_CAPABILITY, so forcing torch onto a lower
+// ISA forces these kernels too (the tests use it to cover every table); the
+// feature checks guard the exact extensions each of our TUs was compiled for.
+Selected select_kernels() {
+  const std::string torch_cap = at::get_cpu_capability();
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi") &&
+      __builtin_cpu_supports("bmi2");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq");
+  if (torch_cap == "AVX512" && avx512) {
+    return {"AVX512", AVX512::kernel_table()};
+  }
+  if ((torch_cap == "AVX512" || torch_cap == "AVX2") && avx2) {
+    return {"AVX2", AVX2::kernel_table()};
+  }
+#endif
+  return {"DEFAULT", DEFAULT::kernel_table()};
+}
+
+const Selected& selected() {
+  static const Selected s = select_kernels();
+  return s;
+}
+
+// Elements per parallel task: large enough to amortise the per-task overhead,
+// small enough that a few hundred small tensors still spread over all threads.
+constexpr int64_t kTaskElems = 32768;
+
+int64_t dt_size(Dt dt) {
+  return dt == kF32 ? 4 : 2;
+}
+
+Dt dt_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return kF32;
+    case at::kHalf:
+      return kF16;
+    case at::kBFloat16:
+      return kBF16;
+    default:
+      TORCH_CHECK(false, "amp_patch::", op, ": unsupported dtype ", t.scalar_type(),
+                  " (the multi-tensor kernels take float32, float16 and bfloat16)");
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "amp_patch::", op, ": ", what, " is on ", t.device(),
+              "; the CPU kernel needs every tensor on the CPU");
+}
+
+float* flag_ptr(const at::Tensor& found_inf, const char* op) {
+  check_cpu(found_inf, op, "found_inf");
+  TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1, "amp_patch::", op,
+              ": found_inf must be a one-element float32 tensor, got ", found_inf.scalar_type(),
+              " with ", found_inf.numel(), " elements");
+  return found_inf.mutable_data_ptr<float>();
+}
+
+float read_scalar(const at::Tensor& t, const char* op, const char* what) {
+  check_cpu(t, op, what);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "amp_patch::", op, ": ", what,
+              " must be a one-element float32 tensor, got ", t.scalar_type(), " with ", t.numel(),
+              " elements");
+  return *t.const_data_ptr<float>();
+}
+
+// One tensor (or src/dst pair) of a call, as flat memory.
+struct Job {
+  const void* in = nullptr;
+  void* out = nullptr;
+  Dt in_dt = kF32;
+  Dt out_dt = kF32;
+  int64_t numel = 0;
+};
+
+// A piece of one job: elements [begin, end) of jobs[job].
+struct Span {
+  int64_t job;
+  int64_t begin;
+  int64_t end;
+};
+
+const void* offset(const void* p, Dt dt, int64_t i) {
+  return static_cast<const char*>(p) + i * dt_size(dt);
+}
+
+void* offset(void* p, Dt dt, int64_t i) {
+  return static_cast<char*>(p) + i * dt_size(dt);
+}
+
+// The work of one call: its jobs, the temporaries they point into, and the
+// spans grouped into tasks of kTaskElems elements taken across all jobs, so
+// that 200 small tensors and one huge tensor parallelise alike.
+class Plan {
+ public:
+  // dst may be absent (read-only ops) or the same list as src (in-place ops).
+  Plan(const char* op, at::TensorList src, std::optional<at::TensorList> dst, bool in_place) {
+    if (dst) {
+      TORCH_CHECK(src.size() == dst->size(), "amp_patch::", op, ": list lengths differ (",
+                  src.size(), " vs ", dst->size(), ")");
+    }
+    jobs_.resize(src.size());
+    for (size_t i = 0; i < src.size(); ++i) {
+      add_job(op, i, src[i], dst && !in_place ? &(*dst)[i] : nullptr, dst.has_value());
+    }
+    cut_tasks();
+  }
+
+  const std::vector<Job>& jobs() const { return jobs_; }
+  const std::vector<Span>& spans() const { return spans_; }
+
+  // Runs f(span_index, span) -> bool over every span, in parallel across tasks.
+  // Returns true when any call returned true (saw a non-finite input).
+  template <typename F>
+  bool run(const F& f) const {
+    const int64_t ntasks = static_cast<int64_t>(task_begin_.size()) - 1;
+    std::atomic<bool> flagged{false};
+    auto work = [&](int64_t t0, int64_t t1) {
+      bool local = false;
+      for (int64_t s = task_begin_[t0]; s < task_begin_[t1]; ++s) {
+        local |= f(s, spans_[s]);
+      }
+      if (local) {
+        flagged.store(true, std::memory_order_relaxed);
+      }
+    };
+    if (ntasks <= 1) {
+      work(0, ntasks);
+    } else {
+      at::parallel_for(0, ntasks, 1, work);
+    }
+    return flagged.load(std::memory_order_relaxed);
+  }
+
+  // Copies slow-path outputs back into the caller's tensors.
+  void finish() {
+    for (auto& [target, tmp] : write_back_) {
+      target.copy_(tmp);
+    }
+  }
+
+ private:
+  void add_job(const char* op, size_t i, const at::Tensor& s, const at::Tensor* d, bool writes) {
+    check_cpu(s, op, "an input tensor");
+    Job& job = jobs_[i];
+    job.in_dt = dt_of(s, op);
+    job.out_dt = job.in_dt;
+    job.numel = s.numel();
+    if (d != nullptr) {
+      check_cpu(*d, op, "an output tensor");
+      TORCH_CHECK(s.sizes() == d->sizes(), "amp_patch::", op, ": tensor ", i, " has shape ",
+                  s.sizes(), " in the first list but ", d->sizes(), " in the second");
+      job.out_dt = dt_of(*d, op);
+    }
+    if (job.numel == 0) {
+      return;
+    }
+    if (d == nullptr) {
+      // Read-only, or in place: element order is irrelevant, so any dense layout
+      // (channels-last, transposed) is walked as it lies in memory.
+      const at::Tensor& flat = dense_or_copy(s, writes);
+      job.in = flat.const_data_ptr();
+      job.out = writes ? flat.data_ptr() : nullptr;
+      return;
+    }
+    if (s.is_non_overlapping_and_dense() && d->is_non_overlapping_and_dense() &&
+        s.strides() == d->strides()) {
+      job.in = s.const_data_ptr();
+      job.out = d->data_ptr();
+      return;
+    }
+    // Slow path: the two sides must walk memory in the same element order.
+    if (d->is_non_overlapping_and_dense()) {
+      job.in = keep(s.new_empty_strided(d->sizes(), d->strides()).copy_(s)).const_data_ptr();
+      job.out = d->data_ptr();
+      return;
+    }
+    const at::Tensor& out = keep(d->contiguous());
+    write_back_.emplace_back(*d, out);
+    job.in = keep(s.contiguous()).const_data_ptr();
+    job.out = out.data_ptr();
+  }
+
+  const at::Tensor& dense_or_copy(const at::Tensor& t, bool writes) {
+    if (t.is_non_overlapping_and_dense()) {
+      return t;
+    }
+    const at::Tensor& tmp = keep(t.contiguous());
+    if (writes) {
+      write_back_.emplace_back(t, tmp);
+    }
+    return tmp;
+  }
+
+  const at::Tensor& keep(at::Tensor t) {
+    kept_.push_back(std::move(t));
+    return kept_.back();
+  }
+
+  void cut_tasks() {
+    task_begin_.push_back(0);
+    int64_t room = kTaskElems;
+    for (size_t j = 0; j < jobs_.size(); ++j) {
+      const int64_t n = jobs_[j].numel;
+      for (int64_t off = 0; off < n;) {
+        const int64_t len = std::min(room, n - off);
+        spans_.push_back({static_cast<int64_t>(j), off, off + len});
+        off += len;
+        room -= len;
+        if (room == 0) {
+          task_begin_.push_back(static_cast<int64_t>(spans_.size()));
+          room = kTaskElems;
+        }
+      }
+    }
+    if (task_begin_.back() != static_cast<int64_t>(spans_.size())) {
+      task_begin_.push_back(static_cast<int64_t>(spans_.size()));
+    }
+  }
+
+  std::vector<Job> jobs_;
+  std::vector<Span> spans_;
+  std::vector<int64_t> task_begin_;
+  // A deque, so references to earlier temporaries stay valid as it grows.
+  std::deque<at::Tensor> kept_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
+};
+
+void unscale_cpu(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  constexpr const char* op = "multi_tensor_unscale_";
+  float* flag = flag_ptr(found_inf, op);
+  const float s = read_scalar(inv_scale, op, "inv_scale");
+  Plan plan(op, tensors, tensors, /*in_place=*/true);
+  const KernelTable& k = kernels();
+  const auto& jobs = plan.jobs();
+  const bool bad = plan.run([&](int64_t, const Span& sp) {
+    const Job& j = jobs[sp.job];
+    return k.scale[j.in_dt][j.out_dt](offset(j.in, j.in_dt, sp.begin),
+                                      offset(j.out, j.out_dt, sp.begin), sp.end - sp.begin, s);
+  });
+  if (bad) {
+    *flag = 1.0f;
+  }
+  plan.finish();
+}
+
+void unscale_copy_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
+                      const at::Tensor& inv_scale) {
+  constexpr const char* op = "multi_tensor_unscale_copy_";
+  float* flag = flag_ptr(found_inf, op);
+  const float s = read_scalar(inv_scale, op, "inv_scale");
+  Plan plan(op, src, dst, /*in_place=*/false);
+  const KernelTable& k = kernels();
+  const auto& jobs = plan.jobs();
+  const bool bad = plan.run([&](int64_t, const Span& sp) {
+    const Job& j = jobs[sp.job];
+    return k.scale[j.in_dt][j.out_dt](offset(j.in, j.in_dt, sp.begin),
+                                      offset(j.out, j.out_dt, sp.begin), sp.end - sp.begin, s);
+  });
+  if (bad) {
+    *flag = 1.0f;
+  }
+  plan.finish();
+}
+
+void axpby_cpu(at::TensorList x, at::TensorList y, const at::Tensor& found_inf, double a, double b) {
+  constexpr const char* op = "multi_tensor_axpby_";
+  float* flag = flag_ptr(found_inf, op);
+  Plan plan(op, x, y, /*in_place=*/false);
+  const KernelTable& k = kernels();
+  const auto& jobs = plan.jobs();
+  // The reference multiplies fp32 tensors by Python floats, which torch rounds to fp32 first.
+  const float af = static_cast<float>(a);
+  const float bf = static_cast<float>(b);
+  const bool bad = plan.run([&](int64_t, const Span& sp) {
+    const Job& j = jobs[sp.job];
+    return k.axpby[j.in_dt][j.out_dt](offset(j.in, j.in_dt, sp.begin),
+                                      offset(j.out, j.out_dt, sp.begin), sp.end - sp.begin, af,
+                                      bf);
+  });
+  if (bad) {
+    *flag = 1.0f;
+  }
+  plan.finish();
+}
+
+void copy_cpu(at::TensorList src, at::TensorList dst) {
+  constexpr const char* op = "multi_tensor_copy_";
+  Plan plan(op, src, dst, /*in_place=*/false);
+  const KernelTable& k = kernels();
+  const auto& jobs = plan.jobs();
+  plan.run([&](int64_t, const Span& sp) {
+    const Job& j = jobs[sp.job];
+    k.copy[j.in_dt][j.out_dt](offset(j.in, j.in_dt, sp.begin), offset(j.out, j.out_dt, sp.begin),
+                              sp.end - sp.begin);
+    return false;
+  });
+  plan.finish();
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList x, bool per_tensor) {
+  constexpr const char* op = "multi_tensor_l2norm";
+  Plan plan(op, x, std::nullopt, /*in_place=*/false);
+  const KernelTable& k = kernels();
+  const auto& jobs = plan.jobs();
+  const auto& spans = plan.spans();
+  std::vector<double> partial(spans.size(), 0.0);
+  plan.run([&](int64_t s, const Span& sp) {
+    const Job& j = jobs[sp.job];
+    partial[s] = k.sumsq[j.in_dt](offset(j.in, j.in_dt, sp.begin), sp.end - sp.begin);
+    return false;
+  });
+  // Summed in span order, which depends only on the shapes: the result does not
+  // change with the thread count.
+  std::vector<double> sumsq(x.size(), 0.0);
+  for (size_t s = 0; s < spans.size(); ++s) {
+    sumsq[spans[s].job] += partial[s];
+  }
+  double total = 0.0;
+  for (double v : sumsq) {
+    total += v;
+  }
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  at::Tensor total_t = at::empty({}, opts);
+  *total_t.mutable_data_ptr<float>() = static_cast<float>(std::sqrt(total));
+  at::Tensor norms = at::empty({per_tensor ? static_cast<int64_t>(x.size()) : 0}, opts);
+  if (per_tensor) {
+    float* out = norms.mutable_data_ptr<float>();
+    for (size_t i = 0; i < sumsq.size(); ++i) {
+      out[i] = static_cast<float>(std::sqrt(sumsq[i]));
+    }
+  }
+  return {total_t, norms};
+}
+
+}  // namespace
+
+const KernelTable& kernels() {
+  return selected().table;
+}
+
+const std::string& kernel_capability() {
+  return selected().name;
+}
+
+}  // namespace amp_patch::cpu
+
+TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
+  m.impl("multi_tensor_unscale_", &amp_patch::cpu::unscale_cpu);
+  m.impl("multi_tensor_unscale_copy_", &amp_patch::cpu::unscale_copy_cpu);
+  m.impl("multi_tensor_axpby_", &amp_patch::cpu::axpby_cpu);
+  m.impl("multi_tensor_l2norm", &amp_patch::cpu::l2norm_cpu);
+  m.impl("multi_tensor_copy_", &amp_patch::cpu::copy_cpu);
+}

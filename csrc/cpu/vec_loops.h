@@ -1,0 +1,224 @@
+// The vectorised inner loops of the multi-tensor CPU kernels.
+//
+// This header is compiled three times, by csrc/cpu/isa/{default,avx2,avx512}.cpp.
+// Each of those defines CPU_CAPABILITY (and CPU_CAPABILITY_AVX2/AVX512, which
+// select at::vec's intrinsic implementations) and switches the compiler's
+// target ISA with a pragma before including it. That is how one .so carries
+// fast AVX-512 and AVX2 loops and still loads on a CPU without AVX:
+//
+//   * at::vec::Vectorized lives in the inline namespace at::vec::CPU_CAPABILITY,
+//     and our loops in amp_patch::cpu::CPU_CAPABILITY, so each ISA's copies have
+//     distinct symbols;
+//   * these translation units define no globals with dynamic initialisers, so
+//     no AVX instruction runs at load time;
+//   * inline functions from shared headers (c10, libstdc++) that more than one
+//     TU emits out of line are COMDAT: the linker keeps the first copy, and
+//     setup.py links the ISA objects in increasing order (default, AVX2,
+//     AVX-512), so a lower ISA never calls a higher ISA's copy;
+//   * multi_tensor_ops.cpp picks the table at run time from torch's own CPU
+//     capability (which honours ATEN_CPU_CAPABILITY) and the CPU's features.
+//
+// The alternative, building at::vec with -mavx2 for the whole extension, would
+// either crash on older CPUs or leave everything on the slow generic path.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "cpu/kernel_table.h"
+
+namespace amp_patch::cpu {
+namespace CPU_CAPABILITY {
+
+using Vec = at::vec::Vectorized<float>;
+// A block is what one Vectorized of a 16-bit type holds: two float vectors.
+constexpr int64_t kW = Vec::size();
+constexpr int64_t kBlock = 2 * kW;
+
+// Loads and stores one block of T as two float vectors. Partial blocks (the
+// tail of a span) go through a zeroed stack buffer: the padding must be a
+// finite value, or the inf/NaN check would see garbage.
+template <typename T>
+struct Block {
+  static_assert(at::vec::Vectorized<T>::size() == kBlock, "16-bit vector must hold two float vectors");
+
+  static void load(const T* p, Vec& lo, Vec& hi) {
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+  }
+  static void store(T* p, const Vec& lo, const Vec& hi) {
+    at::vec::convert_from_float<T>(lo, hi).store(p);
+  }
+};
+
+template <>
+struct Block<float> {
+  static void load(const float* p, Vec& lo, Vec& hi) {
+    lo = Vec::loadu(p);
+    hi = Vec::loadu(p + kW);
+  }
+  static void store(float* p, const Vec& lo, const Vec& hi) {
+    lo.store(p);
+    hi.store(p + kW);
+  }
+};
+
+template <typename T>
+inline void load_block(const T* p, int64_t n, Vec& lo, Vec& hi) {
+  if (n == kBlock) {
+    Block<T>::load(p, lo, hi);
+    return;
+  }
+  T buf[kBlock];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, n * sizeof(T));
+  Block<T>::load(buf, lo, hi);
+}
+
+template <typename T>
+inline void store_block(T* p, int64_t n, const Vec& lo, const Vec& hi) {
+  if (n == kBlock) {
+    Block<T>::store(p, lo, hi);
+    return;
+  }
+  T buf[kBlock];
+  Block<T>::store(buf, lo, hi);
+  std::memcpy(static_cast<void*>(p), buf, n * sizeof(T));
+}
+
+// Calls body(offset, count) over [begin, n) in blocks; count < kBlock only for the last.
+template <typename Body>
+inline void for_blocks(int64_t begin, int64_t n, Body&& body) {
+  int64_t i = begin;
+  for (; i + kBlock <= n; i += kBlock) {
+    body(i, kBlock);
+  }
+  if (i < n) {
+    body(i, n - i);
+  }
+}
+
+// x - x is 0 for finite x and NaN for inf or NaN, so a running sum of it turns
+// NaN on the first non-finite element: one add per vector, no branch.
+inline void track_nonfinite(Vec& acc, const Vec& lo, const Vec& hi) {
+  acc = acc + (lo - lo) + (hi - hi);
+}
+
+inline bool any_nan(const Vec& acc) {
+  float lanes[kW];
+  acc.store(lanes);
+  return std::any_of(lanes, lanes + kW, [](float v) { return std::isnan(v); });
+}
+
+template <typename TI, typename TO>
+bool scale_loop(const void* in_, void* out_, int64_t n, float scale) {
+  const TI* in = static_cast<const TI*>(in_);
+  TO* out = static_cast<TO*>(out_);
+  const Vec s(scale);
+  Vec acc(0.f);
+  for_blocks(0, n, [&](int64_t i, int64_t c) {
+    Vec lo, hi;
+    load_block(in + i, c, lo, hi);
+    track_nonfinite(acc, lo, hi);
+    store_block(out + i, c, lo * s, hi * s);
+  });
+  return any_nan(acc);
+}
+
+// Matches the reference's rounding: a*x and b*y are each rounded to fp32 before
+// the add (setup.py builds with -ffp-contract=off so no FMA fuses them).
+template <typename TX, typename TY>
+bool axpby_loop(const void* x_, void* y_, int64_t n, float a, float b) {
+  const TX* x = static_cast<const TX*>(x_);
+  TY* y = static_cast<TY*>(y_);
+  const Vec av(a), bv(b);
+  Vec acc(0.f);
+  for_blocks(0, n, [&](int64_t i, int64_t c) {
+    Vec xlo, xhi, ylo, yhi;
+    load_block(x + i, c, xlo, xhi);
+    load_block(y + i, c, ylo, yhi);
+    track_nonfinite(acc, xlo, xhi);
+    store_block(y + i, c, av * xlo + bv * ylo, av * xhi + bv * yhi);
+  });
+  return any_nan(acc);
+}
+
+template <typename TI, typename TO>
+void copy_loop(const void* in_, void* out_, int64_t n) {
+  if constexpr (std::is_same_v<TI, TO>) {
+    std::memcpy(out_, in_, n * sizeof(TI));
+  } else {
+    const TI* in = static_cast<const TI*>(in_);
+    TO* out = static_cast<TO*>(out_);
+    for_blocks(0, n, [&](int64_t i, int64_t c) {
+      Vec lo, hi;
+      load_block(in + i, c, lo, hi);
+      store_block(out + i, c, lo, hi);
+    });
+  }
+}
+
+// Four independent accumulators (two blocks per step) so the FMA latency
+// chain does not limit a loop that should run at memory bandwidth.
+template <typename TI>
+double sumsq_loop(const void* in_, int64_t n) {
+  const TI* in = static_cast<const TI*>(in_);
+  Vec acc0(0.f), acc1(0.f), acc2(0.f), acc3(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kBlock <= n; i += 2 * kBlock) {
+    Vec a, b, c, d;
+    Block<TI>::load(in + i, a, b);
+    Block<TI>::load(in + i + kBlock, c, d);
+    acc0 = at::vec::fmadd(a, a, acc0);
+    acc1 = at::vec::fmadd(b, b, acc1);
+    acc2 = at::vec::fmadd(c, c, acc2);
+    acc3 = at::vec::fmadd(d, d, acc3);
+  }
+  for_blocks(i, n, [&](int64_t j, int64_t c) {
+    Vec lo, hi;
+    load_block(in + j, c, lo, hi);
+    acc0 = at::vec::fmadd(lo, lo, acc0);
+    acc1 = at::vec::fmadd(hi, hi, acc1);
+  });
+  float lanes[kW];
+  ((acc0 + acc1) + (acc2 + acc3)).store(lanes);
+  double total = 0.0;
+  for (float v : lanes) {
+    total += v;
+  }
+  return total;
+}
+
+// Index order matches Dt: kF32, kF16, kBF16.
+template <int I>
+using TypeAt = std::tuple_element_t<I, std::tuple<float, c10::Half, c10::BFloat16>>;
+
+template <int I, int J>
+void fill_pair(KernelTable& t) {
+  t.scale[I][J] = &scale_loop<TypeAt<I>, TypeAt<J>>;
+  t.axpby[I][J] = &axpby_loop<TypeAt<I>, TypeAt<J>>;
+  t.copy[I][J] = &copy_loop<TypeAt<I>, TypeAt<J>>;
+}
+
+template <int... K>
+KernelTable make_table(std::integer_sequence<int, K...>) {
+  KernelTable t{};
+  (fill_pair<K / kNumDt, K % kNumDt>(t), ...);
+  t.sumsq[kF32] = &sumsq_loop<float>;
+  t.sumsq[kF16] = &sumsq_loop<c10::Half>;
+  t.sumsq[kBF16] = &sumsq_loop<c10::BFloat16>;
+  return t;
+}
+
+KernelTable kernel_table() {
+  return make_table(std::make_integer_sequence<int, kNumDt * kNumDt>{});
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace amp_patch::cpu
