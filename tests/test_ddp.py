@@ -1,0 +1,77 @@
+"""DistributedDataParallel on CPU (gloo, 2 processes): ranks stay identical, one rank's overflow skips both."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+STEPS, BAD = 6, 2
+
+WORKER = r"""
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import amp_patch as amp
+from training_utils import mlp, mlp_batch, xent
+
+level, out, steps, bad = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = mlp()
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+model, opt = amp.initialize(model, opt, opt_level=level, loss_scale="dynamic", verbosity=0)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+losses = []
+for step in range(steps):
+    x, y = mlp_batch(2 * step + rank)  # each rank sees its own data
+    loss = xent(ddp(x), y)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+        if step == bad and rank == 1:  # after the all-reduce: only this rank sees it
+            model[0].weight.grad[0, 0] = float("inf")
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.item())
+torch.save({"params": [p.detach() for p in model.parameters()],
+            "steps": [opt.state[p]["step"].item() for p in amp.master_params(opt)],
+            "amp": amp.state_dict(), "losses": losses}, out)
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ddp_two_ranks_identical_and_skip_together(level, tmp_path):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WORKER, str(TESTS), level, str(tmp_path / f"{r}.pt"),
+                          str(STEPS), str(BAD)], env=dict(env, RANK=str(r)))
+        for r in range(2)
+    ]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+    for r in (r0, r1):
+        assert r["amp"]["loss_scaler0"]["skipped"] == 1
+        assert r["amp"]["loss_scaler0"]["loss_scale"] == 2.0**15
+        assert r["steps"] == [STEPS - 1] * len(r["steps"])  # the skipped step did not count
+    assert r0["losses"][-1] < r0["losses"][0] + 0.5
