@@ -13,6 +13,7 @@ Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
 """
 
 from amp_patch import ops
+from amp_patch.apex_compat.multi_tensor_apply import multi_tensor_applier
 from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
 from amp_patch.handle import scale_loss
 from amp_patch.legacy import init
@@ -53,4 +54,5 @@ __all__ = [
     "init",
     # kernels
     "ops",
+    "multi_tensor_applier",
 ]

@@ -1,0 +1,144 @@
+"""An ``amp_C``-compatible module: Apex's fused multi-tensor kernels, over amp_patch's ops.
+
+The functions keep Apex's signatures (``chunk_size`` first, then ``noop_flag``,
+an int tensor that is set to 1 when a checked input holds an inf or NaN and is
+never cleared), so scripts that call them through
+:data:`amp_patch.multi_tensor_applier` keep working unchanged. They run on any
+device amp_patch's ops do, group tensors by device, and never sync with the
+host.
+
+Unlike Apex's kernels, these accept lists that mix fp32, fp16 and bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from amp_patch import ops
+
+__all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm"]
+
+
+def _by_device(n: int, lists: Sequence[Sequence[Tensor]]) -> dict[torch.device, list[int]]:
+    groups: dict[torch.device, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(lists[0][i].device, []).append(i)
+    return groups
+
+
+def _check_lengths(name: str, lists: Sequence[Sequence[Tensor]], expected: int) -> None:
+    if len(lists) != expected:
+        raise RuntimeError(f"amp_C.{name}: expected {expected} tensor lists, got {len(lists)}")
+    lengths = {len(lst) for lst in lists}
+    if len(lengths) > 1:
+        raise RuntimeError(f"amp_C.{name}: tensor lists differ in length ({sorted(lengths)})")
+
+
+def _flagged(noop_flag: Tensor, per_device: Callable[[torch.device, list[int], Tensor], None],
+             groups: dict[torch.device, list[int]]) -> None:
+    """Run ``per_device(device, indices, found_inf)`` per group and fold found_inf into noop_flag."""
+    for device, idx in groups.items():
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        per_device(device, idx, found_inf)
+        # masked_fill_ with a device mask queues work; it does not read the flag on the host.
+        noop_flag.masked_fill_((found_inf > 0).to(noop_flag.device), 1)
+
+
+def _scalar(value: float, device: torch.device) -> Tensor:
+    return torch.full((1,), value, dtype=torch.float32, device=device)
+
+
+def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
+                       scale: float) -> None:
+    """``dst[i] = src[i] * scale`` in fp32, rounded once to ``dst``'s dtype.
+
+    Args:
+        chunk_size (int): ignored (amp_patch's kernels chunk by themselves).
+        noop_flag (Tensor): one-element int tensor, set to 1 on inf/NaN in ``src``.
+        tensor_lists (list): ``[src, dst]``, two lists of same-shaped tensors.
+        scale (float): the multiplier.
+
+    Example::
+
+        >>> multi_tensor_applier(amp_C.multi_tensor_scale, noop, [model_grads, master_grads], 1 / 1024)
+    """
+    _check_lengths("multi_tensor_scale", tensor_lists, 2)
+    src, dst = tensor_lists
+
+    def run(device: torch.device, idx: list[int], found_inf: Tensor) -> None:
+        ops.multi_tensor_unscale_copy_([src[i] for i in idx], [dst[i] for i in idx], found_inf,
+                                       _scalar(scale, device))
+
+    _flagged(noop_flag, run, _by_device(len(src), tensor_lists))
+
+
+def multi_tensor_axpby(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
+                       a: float, b: float, arg_to_check: int) -> None:
+    """``out[i] = a * x[i] + b * y[i]`` in fp32, rounded once to ``out``'s dtype.
+
+    Args:
+        chunk_size (int): ignored (amp_patch's kernels chunk by themselves).
+        noop_flag (Tensor): one-element int tensor, set to 1 on inf/NaN in the checked input.
+        tensor_lists (list): ``[x, y, out]``; ``out`` may be ``y`` (or ``x``) itself.
+        a (float): coefficient of ``x``.
+        b (float): coefficient of ``y``.
+        arg_to_check (int): which input to check: 0 for ``x``, 1 for ``y``, -1 for both.
+
+    Example::
+
+        >>> multi_tensor_applier(amp_C.multi_tensor_axpby, noop, [grads, acc, acc], 1 / 1024, 1.0, 0)
+    """
+    _check_lengths("multi_tensor_axpby", tensor_lists, 3)
+    if arg_to_check not in (-1, 0, 1):
+        raise RuntimeError(f"amp_C.multi_tensor_axpby: arg_to_check must be -1, 0 or 1, got {arg_to_check}")
+    x, y, out = tensor_lists
+    # The op computes acc = c1 * checked + c2 * acc in place and checks `checked`,
+    # so acc starts as an exact fp32 copy of the other input (fp16/bf16 widen exactly).
+    checked, other, c_checked, c_other = (y, x, b, a) if arg_to_check == 1 else (x, y, a, b)
+
+    def run(device: torch.device, idx: list[int], found_inf: Tensor) -> None:
+        acc = [out[i] if out[i].dtype == torch.float32 and out[i] is not checked[i]
+               else torch.empty_like(out[i], dtype=torch.float32) for i in idx]
+        if arg_to_check == -1:
+            # Widening through unscale_copy_ with a scale of 1 is exact and also checks y.
+            ops.multi_tensor_unscale_copy_([other[i] for i in idx], acc, found_inf, _scalar(1.0, device))
+        else:
+            pairs = [(other[i], a_) for i, a_ in zip(idx, acc) if other[i] is not a_]
+            ops.multi_tensor_copy_([p[0] for p in pairs], [p[1] for p in pairs])
+        ops.multi_tensor_axpby_([checked[i] for i in idx], acc, found_inf, c_checked, c_other)
+        back = [(a_, out[i]) for i, a_ in zip(idx, acc) if a_ is not out[i]]
+        ops.multi_tensor_copy_([p[0] for p in back], [p[1] for p in back])
+
+    _flagged(noop_flag, run, _by_device(len(x), tensor_lists))
+
+
+def multi_tensor_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
+                        per_tensor: bool = False) -> tuple[Tensor, Tensor]:
+    """The L2 norm of all tensors together (and of each), accumulated in fp32.
+
+    Args:
+        chunk_size (int): ignored (amp_patch's kernels chunk by themselves).
+        noop_flag (Tensor): left untouched, as Apex's kernel does; a non-finite
+            input shows as a non-finite norm.
+        tensor_lists (list): ``[x]``, one list of tensors on one device.
+        per_tensor (bool, optional): also return each tensor's norm. Default: False.
+
+    Returns:
+        tuple of Tensor: ``(total_norm, per_tensor_norms)`` as in Apex: ``total_norm``
+        has shape ``[1]``; ``per_tensor_norms`` has ``len(x)`` elements, or none
+        when ``per_tensor`` is False.
+
+    Example::
+
+        >>> norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, noop, [grads], False)
+    """
+    _check_lengths("multi_tensor_l2norm", tensor_lists, 1)
+    (x,) = tensor_lists
+    devices = {t.device for t in x}
+    if len(devices) > 1:
+        raise RuntimeError(f"amp_C.multi_tensor_l2norm: tensors are on several devices ({sorted(map(str, devices))})")
+    total, norms = ops.multi_tensor_l2norm(list(x), per_tensor)
+    return total.reshape(1), norms
