@@ -1,0 +1,135 @@
+"""The O1 weight-cast cache (SPEC section 4)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amp_patch
+from amp_patch import session as amp_session
+from amp_patch.patching.cache import WeightCastCache
+
+HALF = torch.bfloat16
+
+
+@pytest.fixture
+def cache():
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=HALF, verbosity=0)
+    return amp_session.current().casts.cache
+
+
+def test_weight_used_by_many_ops_is_cast_once(cache):
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    before = cache.casts
+    y = x
+    for _ in range(5):  # the same weight in 5 ops (tied / repeated use)
+        y = F.linear(y.float(), lin.weight, lin.bias)
+    assert cache.casts - before == 2  # weight and bias, once each
+    y.float().sum().backward()
+    assert lin.weight.grad.dtype == torch.float32
+
+
+def test_cached_cast_gradients_match_a_fresh_cast(cache):
+    lin = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    out = F.linear(x, lin.weight) + F.linear(x, lin.weight)
+    out.float().sum().backward()
+    cached_grad = lin.weight.grad.clone()
+    lin.weight.grad = None
+    with amp_patch.disable_casts():
+        w = lin.weight.to(HALF)
+        ref = F.linear(x.to(HALF), w) + F.linear(x.to(HALF), lin.weight.to(HALF))
+    ref.float().sum().backward()
+    torch.testing.assert_close(cached_grad, lin.weight.grad)
+
+
+def test_recast_after_optimizer_step_and_in_place_edit(cache):
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    F.linear(x, lin.weight).float().sum().backward()
+    n = cache.casts
+    F.linear(x, lin.weight)
+    assert cache.casts == n
+    with amp_patch.disable_casts():
+        opt.step()
+    out = F.linear(x, lin.weight)
+    assert cache.casts == n + 1
+    torch.testing.assert_close(out, F.linear(x.to(HALF), lin.weight.detach().to(HALF)))
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    F.linear(x, lin.weight)
+    assert cache.casts == n + 2
+
+
+def test_no_grad_entry_is_remade_when_grad_is_enabled(cache):
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        F.linear(x, lin.weight)
+    out = F.linear(x, lin.weight)
+    assert out.requires_grad
+    out.float().sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32
+
+
+def test_grad_entry_is_reused_under_no_grad(cache):
+    lin = torch.nn.Linear(4, 4)
+    F.linear(torch.randn(2, 4), lin.weight)
+    n = cache.casts
+    with torch.no_grad():
+        F.linear(torch.randn(2, 4), lin.weight)
+    assert cache.casts == n
+
+
+def test_storage_replacement_and_dtype_are_separate_entries():
+    cache = WeightCastCache()
+    p = torch.nn.Parameter(torch.randn(3))
+    a = cache.cast(p, torch.bfloat16)
+    assert cache.cast(p, torch.bfloat16) is a
+    b = cache.cast(p, torch.float16)
+    assert b.dtype == torch.float16 and cache.casts == 2
+    p.data = torch.randn(3)  # new storage (as a move to another device would be)
+    c = cache.cast(p, torch.bfloat16)
+    assert c is not a and torch.equal(c, p.detach().to(torch.bfloat16))
+
+
+def test_only_fp32_leaves_requiring_grad_are_cached():
+    cache = WeightCastCache()
+    frozen = torch.randn(3)
+    cache.cast(frozen, torch.bfloat16)
+    nonleaf = torch.nn.Parameter(torch.randn(3)) * 2
+    cache.cast(nonleaf, torch.bfloat16)
+    assert len(cache) == 0 and cache.casts == 0
+
+
+def test_clear_and_scale_loss_exit_drop_entries(cache):
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    amp_patch.deinitialize()
+    amp_patch.initialize(lin, opt, opt_level="O1", half_dtype=HALF, verbosity=0)
+    casts = amp_session.current().casts.cache
+    loss = F.linear(torch.randn(2, 4), lin.weight, lin.bias).float().sum()
+    assert len(casts) == 2
+    with amp_patch.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert len(casts) == 0
+
+
+def test_no_leak_when_the_model_is_deleted(cache):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model(torch.randn(2, 4)).float().sum().backward()
+    cache.clear()  # what scale_loss does at the end of the iteration
+    with torch.no_grad():  # an eval pass fills the cache again
+        model(torch.randn(2, 4))
+    assert len(cache) == 4
+    ref = weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    assert ref() is None
+    assert len(cache) == 0
