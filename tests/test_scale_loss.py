@@ -227,3 +227,47 @@ def test_exactly_one_host_sync_per_iteration_o2_dynamic(dtype):
             opt.step()
             opt.zero_grad()
         assert syncs["n"] == 1
+
+
+def _bad_initialize_cases():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    two_devices = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+    return [
+        ((model, opt), dict(opt_level="o2"), ValueError, "letter O"),
+        ((torch.nn.DataParallel(model), opt), {}, TypeError, "after"),
+        (((model,), opt), {}, TypeError, "tuple"),
+        ((model, [opt, opt]), {}, ValueError, "twice"),
+        ((two_devices,), {}, ValueError, "more than one device"),
+        ((model, opt), dict(opt_level="O1", master_weights=True), ValueError, "master_weights"),
+        ((model, opt), dict(opt_level="O2", loss_scale="big"), ValueError, "loss_scale"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_initialize_bad_input_is_a_clear_error(case):
+    args, kw, exc, match = _bad_initialize_cases()[case]
+    with pytest.raises(exc, match=match):
+        amp.initialize(*args, verbosity=0, **kw)
+    amp.initialize(mlp(), verbosity=0)  # nothing was left half-built
+
+
+def test_initialize_twice_needs_deinitialize():
+    amp.initialize(mlp(), opt_level="O2", verbosity=0)
+    with pytest.raises(RuntimeError, match="deinitialize"):
+        amp.initialize(mlp(), opt_level="O2", verbosity=0)
+
+
+def test_exception_inside_scale_loss_then_deinitialize_leaves_torch_clean():
+    original_mm, original_linear = torch.mm, torch.nn.functional.linear
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", verbosity=0)
+    x, y = mlp_batch(0)
+    with pytest.raises(ZeroDivisionError):
+        with amp.scale_loss(xent(model(x), y), opt) as scaled:
+            scaled.backward()
+            1 / 0
+    amp.deinitialize()
+    assert torch.mm is original_mm and torch.nn.functional.linear is original_linear
+    assert "step" not in opt.__dict__
