@@ -1,0 +1,108 @@
+"""``amp-patch run`` and its apex import hook."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import amp_patch
+from amp_patch.apex_compat import import_hook
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    return subprocess.run([sys.executable, "-m", "amp_patch", "run", str(path), *args],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_apex_amp_is_amp_patch_api():
+    with import_hook.apex_import_hook(shadow_apex=True):
+        from apex import amp
+        import amp_C  # noqa: F401
+        from apex.optimizers import FusedAdam, FusedSGD
+        from apex.parallel import DistributedDataParallel
+
+        for name in amp_patch.__all__:
+            assert getattr(amp, name) is getattr(amp_patch, name)
+        assert issubclass(FusedAdam, torch.optim.Adam) and issubclass(FusedSGD, torch.optim.SGD)
+        assert issubclass(DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
+    assert "apex" not in sys.modules and "apex.amp" not in sys.modules
+
+
+@pytest.mark.parametrize("stmt, name", [
+    ("import apex.contrib.xyz", "apex.contrib"),
+    ("from apex.fp16_utils import FP16_Optimizer", "apex.fp16_utils.FP16_Optimizer"),
+    ("from apex.optimizers import FusedLAMB", "apex.optimizers.FusedLAMB"),
+    ("import apex.transformer", "apex.transformer"),
+])
+def test_unsupported_names_fail_at_import_naming_them(stmt, name):
+    with import_hook.apex_import_hook(shadow_apex=True):
+        with pytest.raises(ImportError, match="is not supported") as exc:
+            exec(stmt, {})
+    assert str(exc.value).startswith(f"{name} is not supported")
+    assert isinstance(exc.value, import_hook.ApexUnsupportedError)
+
+
+def test_fused_adam_maps_apex_arguments():
+    from amp_patch.apex_compat.optimizers import FusedAdam
+
+    p = torch.nn.Parameter(torch.randn(4))
+    adamw = FusedAdam([p], lr=1e-3, weight_decay=0.1)
+    assert adamw.defaults["decoupled_weight_decay"] is True
+    assert adamw.defaults["fused"] or adamw.defaults["foreach"]
+    adam = FusedAdam([p], adam_w_mode=False, set_grad_none=False)
+    assert adam.defaults["decoupled_weight_decay"] is False
+    p.grad = torch.ones(4)
+    adam.zero_grad()
+    assert p.grad is not None and p.grad.eq(0).all()
+    with pytest.raises(ValueError, match="bias_correction"):
+        FusedAdam([p], bias_correction=False)
+
+
+def test_run_script_with_argv_and_unsupported_message(tmp_path):
+    proc = _run(tmp_path, """
+        import sys
+        from apex import amp
+        print("argv", sys.argv[1:], "main" if __name__ == "__main__" else __name__)
+        print("initialize is amp_patch's:", amp.initialize.__module__)
+        from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+    """, "--flag", "value")
+    assert proc.returncode != 0
+    assert "argv ['--flag', 'value'] main" in proc.stdout
+    assert "initialize is amp_patch's: amp_patch.frontend" in proc.stdout
+    assert "apex.contrib is not supported by amp_patch" in proc.stderr
+
+
+def test_run_propagates_exit_code(tmp_path):
+    proc = _run(tmp_path, "import sys; sys.exit(3)")
+    assert proc.returncode == 3
+
+
+def test_run_missing_script(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "amp_patch", "run", "no_such_script.py"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode != 0 and "no such script" in proc.stderr
+
+
+@pytest.mark.slow
+def test_legacy_example_runs_unmodified_through_run(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "amp_patch", "run", str(ROOT / "examples" / "legacy_apex_train.py"),
+         "--steps", "12"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step 0 loss" in proc.stdout and "step 11 loss" in proc.stdout
+    assert "saved and restored checkpoint" in proc.stdout
+    first = float(proc.stdout.split("step 0 loss ")[1].split()[0])
+    final = float(proc.stdout.split("final loss ")[1].split()[0])
+    assert final < first
+    # The example is the Apex user's code: it imports apex, never amp_patch.
+    source = (ROOT / "examples" / "legacy_apex_train.py").read_text()
+    assert "from apex import amp" in source and "amp_patch" not in source.split('"""', 2)[2]
