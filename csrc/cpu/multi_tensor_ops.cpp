@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <cmath>
@@ -149,23 +150,32 @@ class Plan {
 
   // Runs f(span_index, span) -> bool over every span, in parallel across tasks.
   // Returns true when any call returned true (saw a non-finite input).
+  //
+  // Threads take tasks from a shared counter rather than a fixed split: on a
+  // shared machine one thread is often descheduled for a while, and with a
+  // static split the others would wait for its half at the barrier.
   template <typename F>
   bool run(const F& f) const {
     const int64_t ntasks = static_cast<int64_t>(task_begin_.size()) - 1;
+    std::atomic<int64_t> next{0};
     std::atomic<bool> flagged{false};
-    auto work = [&](int64_t t0, int64_t t1) {
+    auto worker = [&](int64_t, int64_t) {
       bool local = false;
-      for (int64_t s = task_begin_[t0]; s < task_begin_[t1]; ++s) {
-        local |= f(s, spans_[s]);
+      for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < ntasks;
+           t = next.fetch_add(1, std::memory_order_relaxed)) {
+        for (int64_t s = task_begin_[t]; s < task_begin_[t + 1]; ++s) {
+          local |= f(s, spans_[s]);
+        }
       }
       if (local) {
         flagged.store(true, std::memory_order_relaxed);
       }
     };
-    if (ntasks <= 1) {
-      work(0, ntasks);
+    const int64_t nworkers = std::min<int64_t>(ntasks, at::get_num_threads());
+    if (nworkers <= 1) {
+      worker(0, 1);
     } else {
-      at::parallel_for(0, ntasks, 1, work);
+      at::parallel_for(0, nworkers, 1, worker);
     }
     return flagged.load(std::memory_order_relaxed);
   }
