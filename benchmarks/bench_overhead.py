@@ -96,7 +96,7 @@ def main() -> None:
     )
     body = (
         "## O1 wrapper overhead (E4)\n\n"
-        f"{machine()}; 1 thread; median of {args.repeats} interleaved rounds of "
+        f"{machine()}; median of {args.repeats} interleaved rounds of "
         f"{BLOCK} calls.\n\n{table}\n"
     )
     print(body)
