@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +169,8 @@ def report(device: str, total: int, bandwidth: float, rows: list[Row]) -> str:
         isa = f" CPU kernels: {_C.cpu_capability()}."
     elif not ops.has_native_kernel(device):
         isa = " No compiled kernel for this device: the reference ops were timed."
+    # On a shared machine the load says how far to trust the absolute numbers.
+    load = f" Load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs." if device == "cpu" else ""
     header = ["id", "kernel", "anchor", "ms", "anchor ms", "speed-up", "target", "GB/s", "time / floor"]
     table = markdown_table(header, [
         [r.id, r.what, r.anchor, f"{r.ours * 1e3:.1f}", f"{r.anchor_s * 1e3:.1f}", f"{r.speedup:.2f}x",
@@ -177,7 +180,7 @@ def report(device: str, total: int, bandwidth: float, rows: list[Row]) -> str:
     ])
     return (
         f"## Kernels ({device})\n\n"
-        f"{machine()}.{isa}\n\n"
+        f"{machine()}.{isa}{load}\n\n"
         f"{N_TENSORS} tensors, {total / 1e6:.0f} M elements per list. Bandwidth ({bw_name}, bytes read + written, "
         f"median over the rows): {bandwidth / 1e9:.1f} GB/s. `speed-up` is anchor time / kernel time; "
         f"`time / floor` is kernel time over (bytes it must move / that bandwidth), so 1.0 is "
