@@ -403,6 +403,11 @@ def write_plot(results: list[LevelResult], path: Path, title: str) -> None:
     ax_loss.set_title(title)
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(ncol=2, fontsize=9)
+    scales = {v for r in results if r.ok for v in r.loss_scales}
+    if len(scales) == 1:
+        # A flat line reads as "nothing plotted"; say what it means.
+        ax_scale.text(0.5, 0.75, f"loss scale {scales.pop():g} throughout, at every level",
+                      transform=ax_scale.transAxes, ha="center", fontsize=9, color="dimgray")
     ax_scale.set_yscale("log", base=2)
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_xlabel("step")
