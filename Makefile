@@ -67,10 +67,13 @@ $(CUDA_VENV)/.deps-stamp: requirements-cuda.txt
 
 check-cuda: $(CUDA_VENV)/.deps-stamp
 	@site=$$($(CUDA_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	CUDA_HOME=$(CUDA_HOME) CPATH=$$site/nvidia/cu13/include$${CPATH:+:$$CPATH} \
+	start=$$(date +%s); \
+	PATH="$(CURDIR)/$(CUDA_VENV)/bin:$$PATH" CUDA_HOME=$(CUDA_HOME) \
+	CPATH=$$site/nvidia/cu13/include$${CPATH:+:$$CPATH} \
 	TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" \
-	$(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib
-	@ls build/cuda-check/lib/amp_patch/_C*.so >/dev/null && echo "check-cuda: CPU and CUDA kernels compiled"
+	$(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib \
+	&& ls build/cuda-check/lib/amp_patch/_C*.so >/dev/null \
+	&& echo "check-cuda: CPU and CUDA kernels compiled (TORCH_CUDA_ARCH_LIST=$${TORCH_CUDA_ARCH_LIST:-9.0}) in $$(( $$(date +%s) - start )) s"
 
 clean:
 	rm -rf build dist *.egg-info amp_patch/_C*.so out

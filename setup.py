@@ -32,7 +32,9 @@ def _extensions():
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + isa
     # No FMA contraction: the kernels must round a*x and b*y separately, as the
     # reference ops do, to be bit-identical with them.
-    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"]
+    # No -std: torch's build helper picks the standard its headers need (C++20
+    # from torch 2.14 on; an explicit -std=c++17 breaks that build).
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
     extension = cpp_extension.CppExtension
     extra = {"cxx": cxx_flags}
 
@@ -44,7 +46,9 @@ def _extensions():
     if with_cuda:
         sources += rel("csrc/cuda/*.cu")
         extension = cpp_extension.CUDAExtension
-        extra["nvcc"] = ["-O3", "--use_fast_math", "-std=c++17", "-lineinfo"]
+        # No --use_fast_math: it flushes fp32 denormals to zero, which the
+        # reference ops keep. The kernels are memory-bound; it buys nothing.
+        extra["nvcc"] = ["-O3", "-lineinfo"]
         cxx_flags.append("-DAMP_PATCH_WITH_CUDA")
 
     ext = extension(

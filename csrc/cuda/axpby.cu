@@ -1,0 +1,67 @@
+// multi_tensor_axpby_: y = a * x + b * y in place, with found_inf set when an
+// element of x is inf or NaN.
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "multi_tensor_apply.cuh"
+#include "tensor_lists.cuh"
+
+namespace amp_patch::cuda {
+namespace {
+
+template <typename X, typename Y>
+struct AxpbyOp {
+  float a;
+  float b;
+  float* found_inf;
+
+  __device__ void operator()(const Chunk<2>& c) const {
+    bool nonfinite = false;
+    // Two products and a sum, each rounded to fp32 and never fused into an
+    // FMA, so that the result matches the reference `a * x.float() + b * y.float()`.
+    for_each_element<Access::kReadWrite>(c.in<X>(), c.out<Y>(), c.n, [&](X x, Y y) {
+      const float xf = to_float(x);
+      nonfinite |= is_nonfinite(xf);
+      return from_float<Y>(__fadd_rn(__fmul_rn(a, xf), __fmul_rn(b, to_float(y))));
+    });
+    if (nonfinite) {
+      *found_inf = 1.0f;  // racing writers all store the same value
+    }
+  }
+};
+
+void multi_tensor_axpby_cuda(
+    at::TensorList x, at::TensorList y, const at::Tensor& found_inf, double a, double b) {
+  constexpr const char* op = "multi_tensor_axpby_";
+  check_pairs(op, x, y);
+  check_found_inf(op, found_inf);
+  check_list(op, "x", x, found_inf.device(), "found_inf");
+  check_list(op, "y", y, found_inf.device(), "found_inf");
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+
+  Plan<2> plan;
+  for (size_t i = 0; i < x.size(); ++i) {
+    plan.add(x[i], y[i], /*read_dst=*/true);
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The Python scalars are rounded to fp32 once, as ATen's fp32 kernels take them.
+  const float fa = static_cast<float>(a);
+  const float fb = static_cast<float>(b);
+  float* flag = found_inf.data_ptr<float>();
+  plan.run([&](auto in, auto out, const std::vector<Task<2>>& tasks) {
+    using X = typename decltype(in)::type;
+    using Y = typename decltype(out)::type;
+    multi_tensor_apply<2>(tasks, AxpbyOp<X, Y>{fa, fb, flag}, stream);
+  });
+}
+
+}  // namespace
+}  // namespace amp_patch::cuda
+
+TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
+  m.impl("multi_tensor_axpby_", &amp_patch::cuda::multi_tensor_axpby_cuda);
+}

@@ -1,0 +1,172 @@
+// multi_tensor_l2norm: the L2 norm of a tensor list (and of each tensor),
+// accumulated in fp32, in two stages with a fixed order of summation, so the
+// result is the same from run to run.
+//
+// Stage 1 is a multi_tensor_apply kernel: each block writes the sum of
+// squares of its chunk to partials[first chunk of its tensor + chunk]. The
+// slots are numbered in list order, whatever the dtype grouping, so each
+// tensor's partials are one contiguous range. Stage 2 is one small launch:
+// block 0 sums all partials into the total; the other blocks give each tensor
+// one warp that sums its range.
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <tuple>
+#include <vector>
+
+#include "multi_tensor_apply.cuh"
+#include "tensor_lists.cuh"
+
+namespace amp_patch::cuda {
+namespace {
+
+constexpr int kWarps = kBlockThreads / 32;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+// The block's sum, valid in thread 0. Called at most once per block.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[kWarps];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  v = warp_sum(v);
+  if (lane == 0) {
+    warp_sums[warp] = v;
+  }
+  __syncthreads();
+  v = 0.0f;
+  if (warp == 0) {
+    v = warp_sum(lane < kWarps ? warp_sums[lane] : 0.0f);
+  }
+  return v;
+}
+
+template <typename T>
+struct SumSquaresOp {
+  float* partials;
+
+  __device__ void operator()(const Chunk<1>& c) const {
+    float acc = 0.0f;
+    for_each_element<Access::kRead>(c.in<T>(), static_cast<T*>(nullptr), c.n, [&](T x) {
+      const float v = to_float(x);
+      acc = fmaf(v, v, acc);
+    });
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) {
+      partials[c.index] = acc;
+    }
+  }
+};
+
+__global__ void __launch_bounds__(kBlockThreads) l2norm_finalize(
+    const float* partials,
+    int num_partials,
+    const int32_t* offsets,
+    int num_tensors,
+    float* total,
+    float* norms) {
+  if (blockIdx.x == 0) {
+    // Four independent sums keep four loads in flight per thread.
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int i = threadIdx.x;
+    for (; i + 3 * kBlockThreads < num_partials; i += 4 * kBlockThreads) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        acc[u] += partials[i + u * kBlockThreads];
+      }
+    }
+    for (; i < num_partials; i += kBlockThreads) {
+      acc[0] += partials[i];
+    }
+    const float sum = block_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    if (threadIdx.x == 0) {
+      *total = sqrtf(sum);
+    }
+    return;
+  }
+  const int t = (blockIdx.x - 1) * kWarps + threadIdx.x / 32;
+  if (t >= num_tensors) {
+    return;  // whole warps leave together, so warp_sum below sees all 32 lanes
+  }
+  float sum = 0.0f;
+  for (int i = offsets[t] + threadIdx.x % 32; i < offsets[t + 1]; i += 32) {
+    sum += partials[i];
+  }
+  sum = warp_sum(sum);
+  if (threadIdx.x % 32 == 0) {
+    norms[t] = sqrtf(sum);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList x, bool per_tensor) {
+  constexpr const char* op = "multi_tensor_l2norm";
+  if (x.empty()) {
+    // Unreachable through the dispatcher (no tensor picks CUDA); matches the reference.
+    return {at::zeros({}, at::kFloat), at::zeros({0}, at::kFloat)};
+  }
+  const at::Device device = x[0].device();
+  check_list(op, "x", x, device, "x[0]");
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  const int num_tensors = static_cast<int>(x.size());
+  std::vector<int32_t> offsets(num_tensors + 1);
+  Plan<1> plan;
+  int64_t num_partials = 0;
+  for (int i = 0; i < num_tensors; ++i) {
+    offsets[i] = static_cast<int32_t>(num_partials);
+    plan.add(x[i], /*in_place=*/false, offsets[i]);
+    num_partials += (x[i].numel() + kChunkElems - 1) / kChunkElems;
+    TORCH_CHECK(
+        num_partials <= INT_MAX, "amp_patch::", op, ": more than 2^31 chunks of ",
+        kChunkElems, " elements");
+  }
+  offsets[num_tensors] = static_cast<int32_t>(num_partials);
+
+  const auto fp32 = at::TensorOptions().device(device).dtype(at::kFloat);
+  at::Tensor partials = at::empty({num_partials}, fp32);
+  float* partials_ptr = partials.data_ptr<float>();
+  plan.run([&](auto in, auto, const std::vector<Task<1>>& tasks) {
+    using T = typename decltype(in)::type;
+    multi_tensor_apply<1>(tasks, SumSquaresOp<T>{partials_ptr}, stream);
+  });
+
+  at::Tensor total = at::empty({}, fp32);
+  at::Tensor norms = at::empty({per_tensor ? num_tensors : 0}, fp32);
+  at::Tensor offsets_dev;
+  int blocks = 1;
+  if (per_tensor) {
+    // Pinned memory makes the copy asynchronous; the host allocator keeps the
+    // buffer until the copy, queued on this stream, has read it.
+    at::Tensor offsets_host =
+        at::empty({num_tensors + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    std::copy(offsets.begin(), offsets.end(), offsets_host.data_ptr<int32_t>());
+    offsets_dev = offsets_host.to(fp32.dtype(at::kInt), /*non_blocking=*/true);
+    blocks += (num_tensors + kWarps - 1) / kWarps;
+  }
+  l2norm_finalize<<<blocks, kBlockThreads, 0, stream>>>(
+      partials_ptr, static_cast<int>(num_partials),
+      per_tensor ? offsets_dev.const_data_ptr<int32_t>() : nullptr, num_tensors,
+      total.data_ptr<float>(), norms.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {total, norms};
+}
+
+}  // namespace
+}  // namespace amp_patch::cuda
+
+TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
+  m.impl("multi_tensor_l2norm", &amp_patch::cuda::multi_tensor_l2norm_cuda);
+}

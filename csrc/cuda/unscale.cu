@@ -1,0 +1,90 @@
+// multi_tensor_unscale_ and multi_tensor_unscale_copy_: out = float(in) * inv_scale,
+// with found_inf set when an input element is inf or NaN.
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "multi_tensor_apply.cuh"
+#include "tensor_lists.cuh"
+
+namespace amp_patch::cuda {
+namespace {
+
+// Depth 1 unscales in place; Depth 2 reads ptr[0] and writes ptr[1].
+template <int Depth, typename In, typename Out>
+struct UnscaleOp {
+  const float* inv_scale;
+  float* found_inf;
+
+  __device__ void operator()(const Chunk<Depth>& c) const {
+    const float s = *inv_scale;
+    bool nonfinite = false;
+    // __fmul_rn: one product rounded to fp32, as the reference's `t.float() * inv_scale`.
+    for_each_element<Access::kWrite>(c.template in<In>(), c.template out<Out>(), c.n, [&](In x) {
+      const float v = to_float(x);
+      nonfinite |= is_nonfinite(v);
+      return from_float<Out>(__fmul_rn(v, s));
+    });
+    if (nonfinite) {
+      *found_inf = 1.0f;  // racing writers all store the same value
+    }
+  }
+};
+
+template <int Depth>
+void launch_unscale(Plan<Depth>& plan, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  float* flag = found_inf.data_ptr<float>();
+  const float* s = inv_scale.const_data_ptr<float>();
+  plan.run([&](auto in, auto out, const std::vector<Task<Depth>>& tasks) {
+    using In = typename decltype(in)::type;
+    using Out = typename decltype(out)::type;
+    multi_tensor_apply<Depth>(tasks, UnscaleOp<Depth, In, Out>{s, flag}, stream);
+  });
+}
+
+void multi_tensor_unscale_cuda(
+    at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  constexpr const char* op = "multi_tensor_unscale_";
+  check_found_inf(op, found_inf);
+  check_inv_scale(op, inv_scale, found_inf.device());
+  check_list(op, "tensors", tensors, found_inf.device(), "found_inf");
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+
+  Plan<1> plan;
+  for (const at::Tensor& t : tensors) {
+    plan.add(t, /*in_place=*/true);
+  }
+  launch_unscale(plan, found_inf, inv_scale);
+}
+
+void multi_tensor_unscale_copy_cuda(
+    at::TensorList src,
+    at::TensorList dst,
+    const at::Tensor& found_inf,
+    const at::Tensor& inv_scale) {
+  constexpr const char* op = "multi_tensor_unscale_copy_";
+  check_pairs(op, src, dst);
+  check_found_inf(op, found_inf);
+  check_inv_scale(op, inv_scale, found_inf.device());
+  check_list(op, "src", src, found_inf.device(), "found_inf");
+  check_list(op, "dst", dst, found_inf.device(), "found_inf");
+  const c10::cuda::CUDAGuard guard(found_inf.device());
+
+  Plan<2> plan;
+  for (size_t i = 0; i < src.size(); ++i) {
+    plan.add(src[i], dst[i], /*read_dst=*/false);
+  }
+  launch_unscale(plan, found_inf, inv_scale);
+}
+
+}  // namespace
+}  // namespace amp_patch::cuda
+
+TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
+  m.impl("multi_tensor_unscale_", &amp_patch::cuda::multi_tensor_unscale_cuda);
+  m.impl("multi_tensor_unscale_copy_", &amp_patch::cuda::multi_tensor_unscale_copy_cuda);
+}
