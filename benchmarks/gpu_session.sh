@@ -6,6 +6,7 @@
 # Logs and docs/benchmarks.md are copied to $OUT (default out/gpu_session).
 #
 #   bash benchmarks/gpu_session.sh          # from the repository root
+#   PYTEST_MARK="not slow" bash benchmarks/gpu_session.sh   # if time is short
 #
 # Every step runs even if an earlier one failed (except the build); the exit
 # status is non-zero if any failed.
@@ -125,10 +126,14 @@ if [[ " ${failed[*]} " == *" install "* ]]; then
   exit 1
 fi
 if command -v cuobjdump >/dev/null; then
-  step resources cuobjdump --dump-resource-usage amp_patch/_C*.so
+  step resources cuobjdump --dump-resource-usage "$(python3 -c 'import amp_patch._C as m; print(m.__file__)')"
 fi
 step launcher launcher_check
-step pytest env AMP_PATCH_REQUIRE_EXT=1 python3 -m pytest tests -q -x
+pytest_args=(tests -q -x)
+if [[ -n ${PYTEST_MARK:-} ]]; then
+  pytest_args+=(-m "$PYTEST_MARK")
+fi
+step pytest env AMP_PATCH_REQUIRE_EXT=1 python3 -m pytest "${pytest_args[@]}"
 step bench python3 benchmarks/bench_kernels.py --device cuda
 if [[ -f docs/benchmarks.md ]]; then
   cp docs/benchmarks.md "$OUT/"
