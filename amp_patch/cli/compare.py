@@ -24,12 +24,10 @@ from typing import Any
 
 import torch
 
+from amp_patch.cli.trainer import HALF_DTYPES, LEVELS, CpuPeak, LevelTrainer
+
 __all__ = ["LEVELS", "LevelResult", "add_parser", "run_compare", "render_table", "write_plot"]
 
-#: The levels compare knows, in the order it runs and reports them.
-LEVELS = ("O0", "O1", "O2", "O3", "autocast")
-_AMP_LEVELS = ("O0", "O1", "O2", "O3")
-_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 DESCRIPTION = """\
 Train one model for N steps under O0, O1, O2, O3 and torch.autocast (with
@@ -108,42 +106,6 @@ class LevelResult:
 # --------------------------------------------------------------------------- the child process
 
 
-def _anon_rss_bytes() -> int | None:
-    # Anonymous resident memory (heap: tensors, allocator caches), not the shared-library
-    # code pages that torch touches lazily and that would swamp the model's share of RSS.
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-class _CpuPeak:
-    """Peak anonymous resident memory, sampled at the step's phase boundaries (Linux).
-
-    Elsewhere it falls back to ``getrusage``'s ``ru_maxrss``, which also counts code pages.
-    """
-
-    def __init__(self) -> None:
-        self.baseline = _anon_rss_bytes()
-        self.peak = self.baseline
-
-    def sample(self) -> None:
-        if self.baseline is not None:
-            self.peak = max(self.peak, _anon_rss_bytes() or 0)
-
-    def delta(self) -> int:
-        if self.baseline is not None:
-            return self.peak - self.baseline
-        import resource
-
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return maxrss if sys.platform == "darwin" else maxrss * 1024
-
-
 def _level_worker(level: str, job: dict[str, Any], out: "mp.Queue") -> None:
     """Train ``job`` under ``level`` in this (spawned) process, reporting on ``out``."""
     try:
@@ -153,30 +115,18 @@ def _level_worker(level: str, job: dict[str, Any], out: "mp.Queue") -> None:
 
 
 def _train_level(level: str, job: dict[str, Any], out: "mp.Queue") -> None:
-    import amp_patch as amp
     from amp_patch.cli import models
 
     device = torch.device(job["device"])
-    half = _HALF[job["half_dtype"]]
     on_cuda = device.type == "cuda"
     result = LevelResult(level, memory_kind="cuda_max_allocated" if on_cuda else "cpu_peak_anon_rss_delta")
-    cpu_peak = _CpuPeak()
+    cpu_peak = CpuPeak()
 
     torch.manual_seed(job["seed"])
     factory = models.resolve(job["model"])
     model, optimizer, batch_fn, loss_fn = models.build(factory, device, job["batch_size"], job["seed"])
-
-    scaler = None
-    if level in _AMP_LEVELS:
-        model, optimizer = amp.initialize(model, optimizer, opt_level=level, half_dtype=half,
-                                          verbosity=0)
-    elif half == torch.float16:
-        scaler = torch.amp.GradScaler(device.type)
-
-    # A step that ran calls the optimizer's post hooks; amp's skip and GradScaler's skip do not.
-    stepped = [0]
-    optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
-
+    trainer = LevelTrainer(level, model, optimizer, loss_fn, device, HALF_DTYPES[job["half_dtype"]],
+                           sample=cpu_peak.sample)
     if on_cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -190,38 +140,15 @@ def _train_level(level: str, job: dict[str, Any], out: "mp.Queue") -> None:
         if on_cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        before = stepped[0]
-        optimizer.zero_grad()
-        if level in _AMP_LEVELS:
-            loss = loss_fn(model, batch)
-            cpu_peak.sample()
-            with amp.scale_loss(loss, optimizer) as scaled:
-                scaled.backward()
-            cpu_peak.sample()
-            optimizer.step()
-            scale = float(amp.state_dict()["loss_scaler0"]["loss_scale"])
-        else:
-            with torch.autocast(device.type, dtype=half):
-                loss = loss_fn(model, batch)
-            cpu_peak.sample()
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                scale = float(scaler.get_scale())
-            else:
-                loss.backward()
-                optimizer.step()
-                scale = 1.0
-        cpu_peak.sample()
-        loss_value = float(loss.detach().float().item())  # the iteration's one sync for the loss
+        loss_value = float(trainer.step(batch).float().item())  # the iteration's one sync for the loss
+        scale = trainer.loss_scale
         if on_cuda:
             torch.cuda.synchronize(device)
         if step >= warmup:
             timed += time.perf_counter() - t0
         result.losses.append(loss_value)
         result.loss_scales.append(scale)
-        if stepped[0] == before:
+        if trainer.skipped:
             result.skipped.append(step)
         out.put(("step", level, step, loss_value))
 
@@ -231,8 +158,7 @@ def _train_level(level: str, job: dict[str, Any], out: "mp.Queue") -> None:
     else:
         result.peak_memory_bytes = max(0, cpu_peak.delta())
     result.ok = True
-    if level in _AMP_LEVELS:
-        amp.deinitialize()
+    trainer.close()
     out.put(("done", level, asdict(result)))
 
 
@@ -430,7 +356,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="first steps left out of steps/s (default: min(3, steps // 4))")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the model's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--half-dtype", choices=sorted(_HALF), default=None,
+    p.add_argument("--half-dtype", choices=sorted(HALF_DTYPES), default=None,
                    help="the half type (default: fp16 on CUDA, bf16 on CPU)")
     p.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS), metavar="LEVEL",
                    help=f"levels to run, from {' '.join(LEVELS)} (default: all)")
