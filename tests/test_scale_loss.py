@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 
 import amp_patch as amp
 from amp_patch import ops
-from training_utils import mlp, mlp_batch, xent
+from training_utils import count_host_syncs, mlp, mlp_batch, xent
 
 FUSED = ("multi_tensor_unscale_", "multi_tensor_unscale_copy_", "multi_tensor_axpby_",
          "multi_tensor_copy_")
@@ -187,30 +186,6 @@ def test_o1_cache_cleared_on_exit():
     one_backward(model, opt)
     one_backward(model, opt, delay_unscale=True)
     assert cleared == [1, 1]
-
-
-@contextlib.contextmanager
-def count_host_syncs():
-    """Counts every Tensor -> Python conversion (item, bool, float, int, tolist) inside."""
-    counts = {"n": 0}
-    names = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist")
-    originals = {n: getattr(torch.Tensor, n) for n in names}
-
-    def make(n):
-        orig = originals[n]
-
-        def counted(self, *a, **k):
-            counts["n"] += 1
-            return orig(self, *a, **k)
-        return counted
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, make(n))
-        yield counts
-    finally:
-        for n, orig in originals.items():
-            setattr(torch.Tensor, n, orig)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -81,3 +82,32 @@ def train(model: nn.Module, optimizer, steps: int, batch_fn: Callable = mlp_batc
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Counts every Tensor -> Python conversion (item, bool, float, int, tolist) inside."""
+    counts = {"n": 0}
+    names = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist")
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+    # Names inherited from TensorBase are deleted again, not shadowed, on the way out.
+    owned = {n for n in names if n in vars(torch.Tensor)}
+
+    def make(n):
+        orig = originals[n]
+
+        def counted(self, *a, **k):
+            counts["n"] += 1
+            return orig(self, *a, **k)
+        return counted
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, make(n))
+        yield counts
+    finally:
+        for n, orig in originals.items():
+            if n in owned:
+                setattr(torch.Tensor, n, orig)
+            else:
+                delattr(torch.Tensor, n)
