@@ -20,12 +20,15 @@ docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import amp_patch
-from benchmarks.common import interleaved_median, machine, markdown_table, write_section
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402
 
 BLOCK = 200  # calls per timed block: amortises the loop and the autocast context entry
 
