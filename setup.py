@@ -8,6 +8,7 @@ falls back to the reference ops in ``amp_patch/ops.py``.
 
 import glob
 import os
+import sys
 
 from setuptools import setup
 
@@ -35,6 +36,13 @@ def _extensions():
     # No -std: torch's build helper picks the standard its headers need (C++20
     # from torch 2.14 on; an explicit -std=c++17 breaks that build).
     cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
+    link_flags = []
+    # at::parallel_for is an inline template: with torch's OpenMP backend its
+    # `#pragma omp parallel` is compiled into *our* objects, and without
+    # -fopenmp it silently runs every kernel on one thread.
+    if torch._C.has_openmp and sys.platform.startswith("linux"):
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     extension = cpp_extension.CppExtension
     extra = {"cxx": cxx_flags}
 
@@ -56,6 +64,7 @@ def _extensions():
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args=extra,
+        extra_link_args=link_flags,
         py_limited_api=False,
     )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)

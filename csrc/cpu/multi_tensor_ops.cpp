@@ -23,6 +23,12 @@
 
 #include "cpu/kernel_table.h"
 
+// With torch's OpenMP backend, at::parallel_for is compiled into this file; built
+// without -fopenmp it quietly runs serially (setup.py passes the flag on Linux).
+#if AT_PARALLEL_OPENMP && defined(__linux__) && !defined(_OPENMP)
+#error "amp_patch's CPU kernels must be compiled with -fopenmp, or they run on one thread"
+#endif
+
 namespace amp_patch::cpu {
 
 namespace {
