@@ -85,6 +85,8 @@ class OptimizerRecord:
         self._master_of: dict[int, Tensor] = {}
         # Unscaled grads taken out of stepped params at scale_loss entry (id -> grad).
         self._prior: dict[int, Tensor] = {}
+        # id(master) -> the storage its fp32 grad is unscaled into, reused every iteration.
+        self._grad_buffers: dict[int, Tensor] = {}
         self._hook_handles: list[Any] = []
         self._saved_methods: dict[str, Any] = {}
 
@@ -152,8 +154,8 @@ class OptimizerRecord:
                         accumulate: tuple[list, list]) -> None:
         """At ``scale_loss`` exit: sort each fresh grad into the fused pass that unscales it.
 
-        ``in_place`` (no master, nothing stashed), ``copy`` (half grad into a new
-        fp32 master grad) or ``accumulate`` (``y = x / scale + y`` into the
+        ``in_place`` (no master, nothing stashed), ``copy`` (half grad into the
+        master's fp32 grad storage, see :meth:`_master_grad_storage`) or ``accumulate`` (``y = x / scale + y`` into the
         stashed grad or the existing master grad).
         """
         prior = self._prior
@@ -172,7 +174,7 @@ class OptimizerRecord:
                     stepped.grad = old
             elif grad is not None:
                 if stepped.grad is None:
-                    stepped.grad = torch.empty_like(stepped)
+                    stepped.grad = self._master_grad_storage(stepped)
                     copy[0].append(grad)
                     copy[1].append(stepped.grad)
                 else:
@@ -180,6 +182,23 @@ class OptimizerRecord:
                     accumulate[1].append(stepped.grad)
         prior.clear()
         self.scaled_grads_pending = False
+
+    def _master_grad_storage(self, master: Tensor) -> Tensor:
+        """The fp32 tensor a master's grad is written into, kept from one iteration to the next.
+
+        A fresh ``empty_like`` per master per iteration (tens of MB for a
+        model of 20 M params) lands on newly mapped pages, and faulting them in
+        costs several times the unscale pass itself. So each master keeps one
+        buffer, as ``zero_grad(set_to_none=False)`` would keep its grad;
+        ``zero_grad()`` still sets ``.grad`` to None, and the next
+        ``scale_loss`` refills the same storage. A grad tensor kept by the
+        caller across iterations therefore sees the next iteration's values.
+        """
+        buf = self._grad_buffers.get(id(master))
+        if buf is None or buf.shape != master.shape or buf.device != master.device:
+            buf = torch.empty_like(master, memory_format=torch.contiguous_format)
+            self._grad_buffers[id(master)] = buf
+        return buf
 
     def abandon_backward(self) -> None:
         """An exception left ``scale_loss``: put stashed grads back, unscaled work untouched."""
@@ -340,6 +359,7 @@ class OptimizerRecord:
         self._model_of.clear()
         self._master_of.clear()
         self._prior.clear()
+        self._grad_buffers.clear()
 
     # ------------------------------------------------------------ checkpoints
 

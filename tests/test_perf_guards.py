@@ -69,3 +69,19 @@ def test_o1_casts_each_weight_once_per_iteration(half_dtype):
         assert cache.casts - before == linear_params, f"iteration {step}"
         assert len(cache) == 0  # scale_loss ended the iteration
 
+
+
+def test_o2_master_grads_reuse_their_storage_across_iterations():
+    model, opt, batch_fn, loss_fn = _lm()
+    amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    seen = None
+    for step in range(3):
+        loss = loss_fn(model, batch_fn(step))
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        ptrs = [m.grad.data_ptr() for m in amp.master_params(opt)]
+        assert seen is None or ptrs == seen, f"iteration {step} allocated new master grads"
+        seen = ptrs
+        opt.step()
+        opt.zero_grad()
+        assert all(m.grad is None for m in amp.master_params(opt))
