@@ -280,11 +280,13 @@ class Plan {
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };
 
-void unscale_cpu(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
-  constexpr const char* op = "multi_tensor_unscale_";
+// Both unscale ops: out = in * inv_scale, flagging non-finite input; in place
+// when dst is src.
+void scale_lists(const char* op, at::TensorList src, at::TensorList dst, bool in_place,
+                 const at::Tensor& found_inf, const at::Tensor& inv_scale) {
   float* flag = flag_ptr(found_inf, op);
   const float s = read_scalar(inv_scale, op, "inv_scale");
-  Plan plan(op, tensors, tensors, /*in_place=*/true);
+  Plan plan(op, src, dst, in_place);
   const KernelTable& k = kernels();
   const auto& jobs = plan.jobs();
   const bool bad = plan.run([&](int64_t, const Span& sp) {
@@ -298,23 +300,13 @@ void unscale_cpu(at::TensorList tensors, const at::Tensor& found_inf, const at::
   plan.finish();
 }
 
+void unscale_cpu(at::TensorList tensors, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  scale_lists("multi_tensor_unscale_", tensors, tensors, /*in_place=*/true, found_inf, inv_scale);
+}
+
 void unscale_copy_cpu(at::TensorList src, at::TensorList dst, const at::Tensor& found_inf,
                       const at::Tensor& inv_scale) {
-  constexpr const char* op = "multi_tensor_unscale_copy_";
-  float* flag = flag_ptr(found_inf, op);
-  const float s = read_scalar(inv_scale, op, "inv_scale");
-  Plan plan(op, src, dst, /*in_place=*/false);
-  const KernelTable& k = kernels();
-  const auto& jobs = plan.jobs();
-  const bool bad = plan.run([&](int64_t, const Span& sp) {
-    const Job& j = jobs[sp.job];
-    return k.scale[j.in_dt][j.out_dt](offset(j.in, j.in_dt, sp.begin),
-                                      offset(j.out, j.out_dt, sp.begin), sp.end - sp.begin, s);
-  });
-  if (bad) {
-    *flag = 1.0f;
-  }
-  plan.finish();
+  scale_lists("multi_tensor_unscale_copy_", src, dst, /*in_place=*/false, found_inf, inv_scale);
 }
 
 void axpby_cpu(at::TensorList x, at::TensorList y, const at::Tensor& found_inf, double a, double b) {
