@@ -85,6 +85,8 @@ class LMConfig:
         lr (float): AdamW learning rate.
         branching (int): successors each token may have in the synthetic
             bigram chain; the best reachable loss is about ``log(branching)``.
+        fused (bool): build AdamW with ``fused=True`` (torch's one-kernel
+            implementation) instead of torch's default for the device.
     """
 
     vocab: int = 8192
@@ -96,6 +98,7 @@ class LMConfig:
     mlp_ratio: int = 4
     lr: float = 1e-3
     branching: int = 4
+    fused: bool = False
 
 
 #: The benchmark's default LM (PERFORMANCE.md): about 21 M parameters.
@@ -201,7 +204,8 @@ def lm(
     device = torch.device(device)
     torch.manual_seed(seed)
     model = TransformerLM(cfg).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01,
+                                  fused=True if cfg.fused else None)
     successors = torch.randint(cfg.vocab, (cfg.vocab, cfg.branching), generator=_generator(seed, -1))
 
     def batch_fn(step: int) -> torch.Tensor:
