@@ -423,3 +423,34 @@ def test_property_random_lists(device, specs, dst_dtype, seed):
     ops._axpby_ref(x, y_want, f_want, 0.25, 0.5)
     assert_bitwise(y_got, y_want)
     assert f_got.item() == f_want.item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offset", [0, 1, 3, 7, 15, 17])
+def test_unscale_copy_into_misaligned_contiguous_views(device, offset):
+    """fp32 outputs that start off a vector boundary: a short head, then streamed stores."""
+    gen = torch.Generator().manual_seed(offset)
+    storage = torch.zeros(40_000 + 64, device=device)
+    sizes = [5_003, 1, 33, 20_000]
+    dst, start = [], offset
+    for n in sizes:
+        dst.append(storage[start:start + n])  # contiguous, base not 64-byte aligned
+        start += n + 5
+    src = [torch.randn(n, generator=gen).bfloat16().to(device) for n in sizes]
+    src[0][2] = float("inf")     # inside the unaligned head
+    src[3][-1] = float("nan")    # in the streamed part's tail
+    want = [torch.empty_like(d) for d in dst]
+    got_flag, want_flag = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    inv = torch.full((1,), 0.25, device=device)
+    ops.multi_tensor_unscale_copy_(src, dst, got_flag, inv)
+    ops._unscale_copy_ref(src, want, want_flag, inv)
+    for g, w in zip(dst, want):
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())
+        assert torch.equal(g.isnan(), w.isnan())
+    assert got_flag.item() == want_flag.item() == 1.0
+    outside = torch.ones_like(storage, dtype=torch.bool)
+    start = offset
+    for n in sizes:
+        outside[start:start + n] = False
+        start += n + 5
+    assert not storage[outside].any(), "a store reached outside its tensor"

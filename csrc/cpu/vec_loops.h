@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
@@ -116,12 +117,63 @@ inline bool any_nan(const Vec& acc) {
   return std::any_of(lanes, lanes + kW, [](float v) { return std::isnan(v); });
 }
 
+// Non-temporal stores of whole fp32 blocks. An ordinary store first reads each
+// destination cache line (read for ownership), so an out-of-place pass into
+// fp32 would move 4 more bytes per element than it writes: 10 instead of 6 for
+// bf16 -> fp32. Streaming stores skip that read. They need an aligned address
+// and are only worth it where the output is not read back soon from cache.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kCanStream = true;
+inline void stream_block(float* p, const Vec& lo, const Vec& hi) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm512_stream_ps(p, lo);
+  _mm512_stream_ps(p + kW, hi);
+#else
+  _mm256_stream_ps(p, lo);
+  _mm256_stream_ps(p + kW, hi);
+#endif
+}
+inline void stream_fence() { _mm_sfence(); }
+#else
+constexpr bool kCanStream = false;
+inline void stream_block(float* p, const Vec& lo, const Vec& hi) { Block<float>::store(p, lo, hi); }
+inline void stream_fence() {}
+#endif
+
 template <typename TI, typename TO>
 bool scale_loop(const void* in_, void* out_, int64_t n, float scale) {
   const TI* in = static_cast<const TI*>(in_);
   TO* out = static_cast<TO*>(out_);
   const Vec s(scale);
   Vec acc(0.f);
+  // Out of place into fp32 (unscaling half grads into fp32 master grads): a
+  // short head up to the first vector-aligned output element (spans start
+  // anywhere in a tensor), then whole blocks streamed.
+  if constexpr (std::is_same_v<TO, float> && kCanStream) {
+    if (in_ != out_) {
+      const auto misalign = reinterpret_cast<std::uintptr_t>(out) % sizeof(Vec);
+      const int64_t head =
+          std::min<int64_t>(n, misalign ? (sizeof(Vec) - misalign) / sizeof(float) : 0);
+      if (head > 0) {
+        Vec lo, hi;
+        load_block(in, head, lo, hi);
+        track_nonfinite(acc, lo, hi);
+        store_block(out, head, lo * s, hi * s);
+      }
+      for_blocks(head, n, [&](int64_t i, int64_t c) {
+        Vec lo, hi;
+        load_block(in + i, c, lo, hi);
+        track_nonfinite(acc, lo, hi);
+        if (c == kBlock) {
+          stream_block(out + i, lo * s, hi * s);
+        } else {
+          store_block(out + i, c, lo * s, hi * s);
+        }
+      });
+      stream_fence();
+      return any_nan(acc);
+    }
+  }
   for_blocks(0, n, [&](int64_t i, int64_t c) {
     Vec lo, hi;
     load_block(in + i, c, lo, hi);
