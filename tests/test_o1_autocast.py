@@ -108,8 +108,6 @@ def decisions():
     return _decisions()
 
 
-# chain_matmul is on Apex's half list and still in torch, which warns that it is deprecated.
-@pytest.mark.filterwarnings("ignore:torch.chain_matmul is deprecated")
 def test_where_both_cast_they_agree(decisions):
     both = {k: v for k, v in decisions.items() if v[2] != v[1] and v[3] != v[1]}
     assert both, "expected ops that both autocast and O1 cast"
