@@ -87,6 +87,8 @@ class OptimizerRecord:
         self._prior: dict[int, Tensor] = {}
         # id(master) -> the storage its fp32 grad is unscaled into, reused every iteration.
         self._grad_buffers: dict[int, Tensor] = {}
+        # id(model param) -> its version counter right after amp last wrote it.
+        self._written_version: dict[int, int] = {}
         self._hook_handles: list[Any] = []
         self._saved_methods: dict[str, Any] = {}
 
@@ -120,6 +122,7 @@ class OptimizerRecord:
                 master.grad = p.grad.detach().float()
             self._model_of[id(master)] = p
             self._master_of[id(p)] = master
+            self._written_version[id(p)] = p._version
             params[i] = master
             if p in state:  # the optimizer stepped before initialize: keep its state, in fp32
                 state[master] = {k: _state_to(v, torch.float32, master.device, k)
@@ -201,11 +204,15 @@ class OptimizerRecord:
         return buf
 
     def abandon_backward(self) -> None:
-        """An exception left ``scale_loss``: put stashed grads back, unscaled work untouched."""
+        """An exception left ``scale_loss`` after :meth:`prepare_backward`: drop the partial,
+        still scaled grads and put the stashed unscaled ones back (None where there were none),
+        so that the next iteration never mistakes scaled grads for unscaled ones."""
         for model_p, stepped in self._pairs():
             old = self._prior.pop(id(stepped), None)
-            if old is not None and model_p is stepped:
+            if model_p is stepped:
                 stepped.grad = old
+            else:
+                model_p.grad = None
         self._prior.clear()
 
     def nonfinite_grad_names(self, names: dict[int, str]) -> list[str]:
@@ -222,12 +229,16 @@ class OptimizerRecord:
     # --------------------------------------------------------- patched methods
 
     def _step(self, wrapped, instance, args, kwargs):
+        self.sync_masters_from_model()
         if self.skip_next_step:
             # Not calling the optimizer at all is what keeps its state (Adam's
             # step counters included) exactly as it was.
             self.skip_next_step = False
             logger.debug("amp_patch: skipped %s.step() after a gradient overflow",
                          type(self.optimizer).__name__)
+            # A skipped step is still the optimizer's step for an LR scheduler: the flag its
+            # wrapper would set, so no "lr_scheduler.step() before optimizer.step()" warning.
+            self.optimizer._opt_called = True
             return None
         if self.master_weights and _call_arg(instance, args, kwargs, "closure") is not None:
             raise RuntimeError(
@@ -250,6 +261,26 @@ class OptimizerRecord:
                 masters.append(p)
         for (_, _), (dst, src) in group_by_device_and_dtype(models, masters).items():
             ops.multi_tensor_copy_(src, dst)
+        for model_p in models:
+            self._written_version[id(model_p)] = model_p._version
+
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """Refresh masters whose model param was changed from outside since amp last wrote it.
+
+        ``model.load_state_dict(...)`` after :func:`amp_patch.initialize` (fine-tuning
+        from pretrained weights) writes the half params only; stepping the stale
+        masters would copy the old weights back. A master is refreshed only when
+        its param no longer equals the master rounded to the param's dtype, so
+        loading a consistent checkpoint keeps the exact fp32 masters.
+        """
+        for stepped in self.stepped_params():
+            model_p = self._model_of.get(id(stepped))
+            if model_p is None or self._written_version.get(id(model_p)) == model_p._version:
+                continue
+            if not torch.equal(model_p, stepped.to(model_p.dtype)):
+                stepped.copy_(model_p)
+            self._written_version[id(model_p)] = model_p._version
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
         out = wrapped(*args, **kwargs)
@@ -360,10 +391,12 @@ class OptimizerRecord:
         self._master_of.clear()
         self._prior.clear()
         self._grad_buffers.clear()
+        self._written_version.clear()
 
     # ------------------------------------------------------------ checkpoints
 
     def _state_dict_post_hook(self, optimizer, state_dict: dict) -> dict:
+        self.sync_masters_from_model()
         flat = [p for group in optimizer.param_groups for p in group["params"]]
         state_dict[_MASTERS_KEY] = {i: p for i, p in enumerate(flat) if id(p) in self._model_of}
         return state_dict
