@@ -159,15 +159,23 @@ def _cast(obj: Any, dtype: torch.dtype, cache) -> Any:
     return obj
 
 
+def _inputs(kwargs: dict) -> list:
+    """The keyword arguments that are inputs: an ``out=`` tensor receives the result,
+    so it is never cast (a cast copy would get the result instead of the caller's
+    tensor) and its dtype takes no part in the casting decision."""
+    return [v for k, v in kwargs.items() if k != "out"]
+
+
 def _cast_args(args: tuple, kwargs: dict, dtype: torch.dtype, cache) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` with their castable floating tensors cast to ``dtype``."""
+    """``args`` and ``kwargs`` (but ``out``) with their castable floating tensors cast to ``dtype``."""
     items = _cast_items(args, dtype, cache)
     if items is not None:
         args = tuple(items)
     if kwargs:
-        items = _cast_items(kwargs.values(), dtype, cache)
+        keys = [k for k in kwargs if k != "out"]
+        items = _cast_items([kwargs[k] for k in keys], dtype, cache)
         if items is not None:
-            kwargs = dict(zip(kwargs.keys(), items))
+            kwargs = {**kwargs, **dict(zip(keys, items))}
     return args, kwargs
 
 
@@ -205,7 +213,7 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
         if policy is Policy.BANNED and not state.allow_banned:
             found: set = set()
             _collect(args, found)
-            _collect(kwargs, found)
+            _collect(_inputs(kwargs), found)
             half = found & _HALVES
             if half:
                 text = message or (f"{name} is banned under O1 for half inputs ({{dtype}}); "
@@ -218,7 +226,7 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
             _collect(args[0] if args else kwargs.get("tensors", ()), found)
         else:
             _collect(args, found)
-            _collect(kwargs, found)
+            _collect(_inputs(kwargs), found)
         if len(found) < 2:
             return fn(*args, **kwargs)
         target = _widest(found)
@@ -266,7 +274,7 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
         def wrapper(*args, **kwargs):
             if state.enabled:
                 cast = _cast_items(args, target, cache)
-                if kwargs and _needs_cast(kwargs.values(), needs):
+                if kwargs and _needs_cast(_inputs(kwargs), needs):
                     args, kwargs = _cast_args(args, kwargs, target, cache)
                     return original(*args, **kwargs)
                 if cast is not None:
@@ -277,7 +285,7 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
 
         def wrapper(*args, **kwargs):
             if state.enabled and (_needs_cast(args, needs)
-                                  or (kwargs and _needs_cast(kwargs.values(), needs))):
+                                  or (kwargs and _needs_cast(_inputs(kwargs), needs))):
                 return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
     elif policy is Policy.PROMOTE:
@@ -285,7 +293,7 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
             if state.enabled:
                 first = _promote_scan(args, None)
                 if kwargs and first is not _MIXED:
-                    first = _promote_scan(kwargs.values(), first)
+                    first = _promote_scan(_inputs(kwargs), first)
                 if first is _MIXED:
                     return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
@@ -302,7 +310,7 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
                     needs = _OTHERS[this.dtype]
                     if ((policy is Policy.IN_PLACE_FP32 and this.dtype is not _FP32)
                             or _needs_cast(args[1:], needs)
-                            or (kwargs and _needs_cast(kwargs.values(), needs))):
+                            or (kwargs and _needs_cast(_inputs(kwargs), needs))):
                         return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
 
