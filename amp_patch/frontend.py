@@ -95,7 +95,7 @@ def initialize(
 
     props = Properties.from_opt_level(
         opt_level,
-        half_dtype if half_dtype is not None else _default_half_dtype(model_list),
+        half_dtype if half_dtype is not None else _default_half_dtype(model_list, cast_model_type),
         enabled=enabled,
         cast_model_type=cast_model_type,
         patch_torch_functions=patch_torch_functions,
@@ -252,6 +252,9 @@ def _floating_tensors(model: nn.Module):
             yield t
 
 
-def _default_half_dtype(models: Sequence[nn.Module]) -> torch.dtype:
+def _default_half_dtype(models: Sequence[nn.Module], cast_model_type: Any) -> torch.dtype:
+    # An explicit half cast_model_type says what "half" means (and so the default loss scale).
+    if cast_model_type in (torch.float16, torch.bfloat16):
+        return cast_model_type
     on_cuda = any(t.is_cuda for m in models for t in _floating_tensors(m))
     return torch.float16 if on_cuda else torch.bfloat16

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from amp_patch import session as _session
 from amp_patch.optim import OptimizerRecord
+from amp_patch.scaler import LossScaleCollapseError
 
 __all__ = ["scale_loss"]
 
@@ -99,8 +100,9 @@ def scale_loss(
     try:
         yield loss.float() * scaler.loss_scale
     except BaseException:
-        for record in records:
-            record.abandon_backward()
+        if not delay_unscale:  # only then did prepare_backward take grads aside
+            for record in records:
+                record.abandon_backward()
         _end_iteration(session)
         raise
 
@@ -117,7 +119,14 @@ def scale_loss(
         scaler.unscale(in_place, copy, accumulate)
         if delay_overflow_check:
             return
-        if scaler.update(lambda: _nonfinite_names(session, records)):
+        try:
+            overflow = scaler.update(lambda: _nonfinite_names(session, records))
+        except LossScaleCollapseError:
+            # Whoever catches the collapse must still not step on these grads.
+            for record in records:
+                record.skip_next_step = True
+            raise
+        if overflow:
             for record in records:
                 record.skip_next_step = True
     finally:

@@ -52,22 +52,25 @@ def prepare(session: AmpSession) -> None:
         torch.bfloat16
     """
     props = session.props
-    if not props.casts_model:
+    # As in Apex, cast_model_outputs applies even when the model itself is not cast (O1).
+    output_dtype = props.cast_model_outputs or (torch.float32 if props.casts_model else None)
+    if not props.casts_model and output_dtype is None:
         return
-    model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
-    output_dtype = props.cast_model_outputs or torch.float32
-    keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
     handles = []
     for model in session.models:
-        _cast_module(model, model_dtype, keep_bn)
+        if props.casts_model:
+            model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
+            keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
+            _cast_module(model, model_dtype, keep_bn)
 
-        def cast_inputs(module, args, kwargs, _dtype=model_dtype):
-            return cast_floating(args, _dtype), cast_floating(kwargs, _dtype)
+            def cast_inputs(module, args, kwargs, _dtype=model_dtype):
+                return cast_floating(args, _dtype), cast_floating(kwargs, _dtype)
+
+            handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
 
         def cast_outputs(module, args, output, _dtype=output_dtype):
             return cast_floating(output, _dtype)
 
-        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
         handles.append(model.register_forward_hook(cast_outputs))
 
     def remove_hooks() -> None:
