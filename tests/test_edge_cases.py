@@ -144,3 +144,29 @@ def test_collapse_error_still_skips_the_step():
     opt.step()  # a caller that caught the error and went on
     for b, p in zip(before, model.parameters()):
         assert torch.equal(b, p)
+
+
+def test_o1_eval_forward_sees_weights_edited_through_data():
+    """EMA/SWA-style weight swaps via param.data between no_grad forwards take effect."""
+    model = mlp()
+    amp.initialize(model, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model(x)
+        for p in model.parameters():
+            p.data.zero_()
+        assert not model(x).any()
+
+
+def test_o1_eval_forward_casts_each_weight_once():
+    from amp_patch import session as amp_session
+
+    shared = torch.nn.Linear(8, 8)
+    model = torch.nn.Sequential(shared, shared, shared)  # tied weights
+    amp.initialize(model, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    cache = amp_session.current().casts.cache
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+        assert cache.casts == 2  # weight and bias, once for three uses
+        model(torch.randn(2, 8))
+        assert cache.casts == 4  # a new forward casts afresh

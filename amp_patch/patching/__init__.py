@@ -82,6 +82,17 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
     session.casts = state
     session.on_close("O1 patches", undo)
 
+    # scale_loss ends a training iteration and clears the cache; an evaluation
+    # loop never calls it, and an edit through ``param.data`` (swapping in EMA
+    # weights, say) moves no version counter. So each forward of a model run
+    # without grad starts with fresh no_grad casts, as an autocast region would.
+    def fresh_eval_casts(module, args) -> None:
+        if not torch.is_grad_enabled():
+            state.cache.drop_no_grad_entries()
+
+    hooks = [model.register_forward_pre_hook(fresh_eval_casts) for model in session.models]
+    session.on_close("O1 cache hooks", lambda: [h.remove() for h in hooks])
+
     def wrap(policy: Policy, qualname: str, message: str | None):
         return lambda original: make_wrapper(policy, original, state, qualname, message)
 

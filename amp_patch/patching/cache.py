@@ -125,6 +125,12 @@ class WeightCastCache:
         for key in [k for k in self._entries if k[0] == pid]:
             del self._entries[key]
 
+    def drop_no_grad_entries(self) -> None:
+        """Drop the casts made with grad disabled (the O1 hooks do this as an evaluation forward
+        starts); casts made with grad enabled stay until :meth:`clear`."""
+        for key in [k for k, e in self._entries.items() if not e.made_with_grad]:
+            del self._entries[key]
+
     def clear(self) -> None:
         """Drop every entry: the next use of each weight casts it again (one iteration ended)."""
         self._entries.clear()
