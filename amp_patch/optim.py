@@ -74,8 +74,10 @@ class OptimizerRecord:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, session: AmpSession) -> None:
+        # Neither the optimizer nor the session is held strongly: an LR scheduler made
+        # after initialize keeps our (then inactive) step wrapper, and with it this record,
+        # after deinitialize.
         self._optimizer_ref = weakref.ref(optimizer)
-        self.session = session
         self.master_weights = bool(session.props.master_weights)
         self.skip_next_step = False
         self.scaled_grads_pending = False

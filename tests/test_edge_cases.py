@@ -170,3 +170,21 @@ def test_o1_eval_forward_casts_each_weight_once():
         assert cache.casts == 2  # weight and bias, once for three uses
         model(torch.randn(2, 8))
         assert cache.casts == 4  # a new forward casts afresh
+
+
+def test_deinitialize_frees_the_session_when_a_scheduler_wrapped_step_after_initialize():
+    import gc
+    import weakref
+
+    from amp_patch import session as amp_session
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps our step
+    ref = weakref.ref(amp_session.current())
+    amp.deinitialize()
+    gc.collect()
+    assert ref() is None
+    opt.step()  # the inactive wrapper passes straight through
+    sched.step()
