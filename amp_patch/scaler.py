@@ -187,8 +187,8 @@ class LossScaler:
             in_place (iterable of Tensor): grads divided by the scale in place
                 (``multi_tensor_unscale_``).
             copy (pair of lists): ``(src, dst)``: ``dst = float(src) / scale``
-                (``multi_tensor_unscale_copy_``, half model grads into fresh
-                fp32 master grads).
+                (``multi_tensor_unscale_copy_``, half model grads into the
+                fp32 master grads' storage).
             accumulate (pair of lists): ``(x, y)``: ``y = x / scale + y``
                 (``multi_tensor_axpby_``, new scaled grads into grads that
                 already hold unscaled ones).
