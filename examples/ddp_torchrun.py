@@ -74,6 +74,11 @@ def main() -> None:
     if rank == 0:
         print(f"{args.opt_level}: {world} process(es), {args.steps} steps; max weight difference "
               f"across ranks {diff.item():g}", flush=True)
+    # Release DDP's reducer (it holds the process group) and let every rank arrive
+    # before the group goes: a rank tearing down gloo while another is still inside
+    # destroy_process_group can abort it.
+    del model
+    dist.barrier()
     dist.destroy_process_group()
 
 
