@@ -6,26 +6,7 @@
 #else
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2")
 #endif
-// In C++ the target pragma does not update the predefined ISA macros (the
-// front end lexes the file first), yet headers such as sleef.h test them.
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
-#ifndef __BMI__
-#define __BMI__ 1
-#endif
-#ifndef __BMI2__
-#define __BMI2__ 1
-#endif
+#include "cpu/isa/avx2_macros.h"
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include "cpu/vec_loops.h"
