@@ -99,6 +99,7 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
     for target, prefix, cast_lists in namespaces():
         for name, policy, message in _entries(cast_lists):
             patcher.patch(target, name, wrap(policy, f"{prefix}.{name}", message))
+    rnn.allow_half_inputs(patcher, state)
     for entry in list(REGISTRY.entries):
         owner = getattr(entry.target, "__name__", type(entry.target).__name__)
         if not patcher.patch(entry.target, entry.name, wrap(entry.policy, f"{owner}.{entry.name}", None)):
