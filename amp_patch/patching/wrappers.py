@@ -203,8 +203,9 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
             is replaced by the offending dtype.
 
     Raises:
-        RuntimeError: a banned op got a half argument (without ``allow_banned``),
-            or an fp32 op was called in place on a half tensor.
+        NotImplementedError: a banned op got a half argument (without
+            ``allow_banned``), or an fp32 op was called in place on a half
+            tensor. Apex raised this type; it is a RuntimeError too.
     """
     cache = state.cache
     if policy is Policy.HALF:
@@ -218,7 +219,7 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
             if half:
                 text = message or (f"{name} is banned under O1 for half inputs ({{dtype}}); "
                                    "pass allow_banned=True to run it in fp32")
-                raise RuntimeError("amp_patch O1: " + text.format(dtype=min(map(str, half))))
+                raise NotImplementedError("amp_patch O1: " + text.format(dtype=min(map(str, half))))
         target = _FP32
     elif policy is Policy.PROMOTE or policy is Policy.SEQUENCE_PROMOTE:
         found = set()
@@ -240,7 +241,7 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
         if not isinstance(this, _Tensor) or this.dtype not in CASTABLE:
             return fn(*args, **kwargs)
         if policy is Policy.IN_PLACE_FP32 and this.dtype in _HALVES:
-            raise RuntimeError(
+            raise NotImplementedError(
                 f"amp_patch O1: {name} runs in fp32, so its in-place form cannot store the "
                 f"result in a {this.dtype} tensor; use the out-of-place form "
                 f"({name.rstrip('_').replace('__i', '__')}) instead"
