@@ -28,14 +28,13 @@ import types
 import torch
 import torch.nn.modules.rnn as _rnn_module
 
-from amp_patch.patching.lists import VF, CastLists
 from amp_patch.patching.wrappers import CASTABLE
 
-__all__ = ["targets", "allow_half_inputs"]
+__all__ = ["vf_module", "allow_half_inputs"]
 
 
-def targets() -> list[tuple[types.ModuleType, CastLists]]:
-    """The namespaces the recurrent modules call, with their cast lists.
+def vf_module() -> types.ModuleType:
+    """The namespace the recurrent modules call their kernels through (``torch._VF``).
 
     Raises:
         RuntimeError: if ``torch.nn.modules.rnn`` no longer reaches its kernels
@@ -47,7 +46,7 @@ def targets() -> list[tuple[types.ModuleType, CastLists]]:
             "amp_patch: torch.nn.modules.rnn no longer calls its kernels through torch._VF; "
             "O1 cannot cast nn.RNN/GRU/LSTM on this torch version"
         )
-    return [(vf, VF)]
+    return vf
 
 
 def allow_half_inputs(patcher, state) -> None:
