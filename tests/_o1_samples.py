@@ -10,7 +10,10 @@ qualified name (``"torch.kl_div"``).
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from amp_patch.patching import wrappers
 
 L = torch.long
 
@@ -233,3 +236,18 @@ def retype(obj, fn):
     if isinstance(obj, dict):
         return {k: retype(v, fn) for k, v in obj.items()}
     return obj
+
+
+#: The two implementations of the O1 wrappers: Python, and the C fast path (when built).
+WRAPPER_PATHS = [
+    "python",
+    pytest.param("native", marks=pytest.mark.skipif(not wrappers.native_available(),
+                                                    reason="extension not built")),
+]
+
+
+@pytest.fixture(params=WRAPPER_PATHS)
+def wrapper_path(request, monkeypatch):
+    """Which wrappers the next ``initialize`` installs (import this fixture into a test module)."""
+    monkeypatch.setattr(wrappers, "_use_native", request.param == "native")
+    return request.param

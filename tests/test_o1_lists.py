@@ -13,6 +13,7 @@ from amp_patch.patching import spellings
 from amp_patch.patching.wrappers import Policy
 
 from _o1_samples import NO_CPU_KERNEL, SAMPLES, call, floating, retype, sample
+from _o1_samples import wrapper_path  # noqa: F401  (fixture: both wrapper paths)
 
 # torch implements ``other / self`` as ``self.reciprocal() * other``, and reciprocal is on
 # the fp32 list, so even a pure-half ``__rtruediv__`` comes out fp32 (as under Apex).
@@ -35,7 +36,7 @@ CASES = _cases()
 
 
 @pytest.fixture
-def o1(request):
+def o1(request, wrapper_path):
     half = getattr(request, "param", torch.bfloat16)
     amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=half, verbosity=0)
     return half

@@ -9,6 +9,18 @@ called with the cast ``self``.
 Every wrapper runs a tight pre-check over its arguments first and calls the
 original untouched, allocating nothing, when no floating tensor needs a
 cast. Only then does :func:`apply_policy` do the full work.
+
+Two implementations make the same decisions:
+
+- the Python wrapper built here, which is the whole policy;
+- when the compiled extension is loaded, ``amp_patch._C.CastWrapper``
+  (csrc/o1_wrappers.cpp) around it: it scans, casts and looks weights up in
+  the weight cache in C, and hands the Python wrapper whatever it does not
+  handle itself (nested containers that need casts, tensor subclasses, an
+  active TorchFunctionMode, refusals). ``AMP_PATCH_NO_EXT=1`` or a missing
+  extension leaves the Python wrapper alone.
+
+Dynamo cannot trace into C: it traces the Python wrapper in place of the C one.
 """
 
 from __future__ import annotations
@@ -19,7 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Policy", "make_wrapper", "apply_policy", "CASTABLE"]
+from amp_patch import ops as _ops
+
+__all__ = ["Policy", "make_wrapper", "apply_policy", "native_available", "CASTABLE"]
 
 _Tensor = torch.Tensor
 _FP32 = torch.float32
@@ -43,6 +57,38 @@ class Policy(enum.Enum):
     BANNED = "banned"
     IN_PLACE_FP32 = "in_place_fp32"
     IN_PLACE = "in_place"
+
+
+#: The policy codes of ``amp_patch._C.CastWrapper`` (the order of its ``Policy`` enum).
+_NATIVE_POLICY = {p: i for i, p in enumerate(Policy)}
+
+
+def _native_type():
+    if not _ops.native_extension_loaded():
+        return None
+    from amp_patch import _C
+    return getattr(_C, "CastWrapper", None)
+
+
+#: ``amp_patch._C.CastWrapper``, or None without the extension (AMP_PATCH_NO_EXT=1).
+_CastWrapper = _native_type()
+#: Whether new wrappers use the C fast path; tests switch it to compare both paths.
+_use_native = _CastWrapper is not None
+
+
+def native_available() -> bool:
+    """Whether the O1 wrappers have their C fast path (the compiled extension is loaded).
+
+    Returns:
+        bool: False under ``AMP_PATCH_NO_EXT=1`` or without a built extension;
+        the Python wrappers then make the same decisions.
+
+    Example::
+
+        >>> amp_patch.patching.wrappers.native_available()
+        True
+    """
+    return _CastWrapper is not None
 
 
 def _collect(obj: Any, found: set) -> None:
@@ -252,20 +298,9 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
     return fn(*args, **kwargs)
 
 
-def make_wrapper(policy: Policy, original: Callable, state, name: str,
-                 message: str | None = None) -> Callable:
-    """A function that applies ``policy`` around ``original``, reading ``state`` on every call.
-
-    Args:
-        policy (Policy): the casting rule.
-        original (callable): the function or unbound method being replaced.
-        state (CastState): read on every call (``enabled``, ``half_dtype``, ``cache``).
-        name (str): the op's qualified name, for error messages.
-        message (str, optional): the error text of a banned op.
-
-    Returns:
-        callable: the wrapper, carrying ``original`` as ``__wrapped__``.
-    """
+def _python_wrapper(policy: Policy, original: Callable, state, name: str,
+                    message: str | None) -> Callable:
+    """The whole policy in Python: the fallback of the C wrapper, and the wrapper without it."""
     if policy is Policy.HALF or policy is Policy.FP32:
         target = state.half_dtype if policy is Policy.HALF else _FP32
         needs = _OTHERS[target] if policy is Policy.HALF else _HALVES
@@ -314,10 +349,51 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
                             or (kwargs and _needs_cast(_inputs(kwargs), needs))):
                         return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
+    _describe(wrapper, original, policy)
+    return wrapper
 
+
+def _describe(wrapper: Any, original: Callable, policy: Policy) -> None:
     try:
         functools.update_wrapper(wrapper, original)
     except (AttributeError, TypeError):
         wrapper.__wrapped__ = original
     wrapper._amp_patch_policy = policy
+
+
+def make_wrapper(policy: Policy, original: Callable, state, name: str,
+                 message: str | None = None) -> Callable:
+    """A function that applies ``policy`` around ``original``, reading ``state`` on every call.
+
+    With the compiled extension this is an ``amp_patch._C.CastWrapper``
+    (see the module docstring), else the Python wrapper; both bind like
+    functions when installed on a class.
+
+    Args:
+        policy (Policy): the casting rule.
+        original (callable): the function or unbound method being replaced.
+        state (CastState): read on every call (``enabled``, ``half_dtype``, ``cache``).
+        name (str): the op's qualified name, for error messages.
+        message (str, optional): the error text of a banned op.
+
+    Returns:
+        callable: the wrapper, carrying ``original`` as ``__wrapped__``.
+
+    Example::
+
+        >>> wrapper = make_wrapper(Policy.FP32, torch.exp, state, "torch.exp")
+        >>> wrapper(torch.ones(2, dtype=torch.bfloat16)).dtype
+        torch.float32
+    """
+    fallback = _python_wrapper(policy, original, state, name, message)
+    if not _use_native or _CastWrapper is None:
+        return fallback
+    target = (state.half_dtype if policy is Policy.HALF
+              else _FP32 if policy is Policy.FP32 else None)
+    wrapper = _CastWrapper(original, fallback, state, state.cache, _NATIVE_POLICY[policy], target)
+    _describe(wrapper, original, policy)
+    # Dynamo cannot trace into C: this (the protocol of torch.jit.script_if_tracing)
+    # makes it trace the Python wrapper instead.
+    setattr(wrapper, "__script_if_tracing_wrapper", True)
+    setattr(wrapper, "__original_fn", fallback)
     return wrapper
