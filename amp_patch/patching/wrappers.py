@@ -20,7 +20,12 @@ Two implementations make the same decisions:
   active TorchFunctionMode, refusals). ``AMP_PATCH_NO_EXT=1`` or a missing
   extension leaves the Python wrapper alone.
 
-Dynamo cannot trace into C: it traces the Python wrapper in place of the C one.
+Under ``torch.compile`` (:func:`torch.compiler.is_compiling`) a wrapper
+lowers to plain casts with the same decisions and no weight cache: the
+cache's validity checks read version counters and storage addresses, which
+would make the graph depend on data. The compiled graph holds the casts
+themselves, so each weight is cast once per graph run, as autocast does.
+Dynamo traces the Python wrapper in place of the C one.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Policy(enum.Enum):
 
 #: The policy codes of ``amp_patch._C.CastWrapper`` (the order of its ``Policy`` enum).
 _NATIVE_POLICY = {p: i for i, p in enumerate(Policy)}
+_compiling = torch.compiler.is_compiling
 
 
 def _native_type():
@@ -253,7 +259,8 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
             ``allow_banned``), or an fp32 op was called in place on a half
             tensor. Apex raised this type; it is a RuntimeError too.
     """
-    cache = state.cache
+    # Under torch.compile the graph holds the casts: no weight cache (see the module docstring).
+    cache = None if _compiling() else state.cache
     if policy is Policy.HALF:
         target = state.half_dtype
     elif policy is Policy.FP32 or policy is Policy.BANNED:
@@ -309,6 +316,8 @@ def _python_wrapper(policy: Policy, original: Callable, state, name: str,
         # The commonest wrappers scan and cast in one pass, skipping apply_policy.
         def wrapper(*args, **kwargs):
             if state.enabled:
+                if _compiling():
+                    return apply_policy(policy, original, state, name, args, kwargs, message)
                 cast = _cast_items(args, target, cache)
                 if kwargs and _needs_cast(_inputs(kwargs), needs):
                     args, kwargs = _cast_args(args, kwargs, target, cache)
@@ -393,7 +402,7 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
     wrapper = _CastWrapper(original, fallback, state, state.cache, _NATIVE_POLICY[policy], target)
     _describe(wrapper, original, policy)
     # Dynamo cannot trace into C: this (the protocol of torch.jit.script_if_tracing)
-    # makes it trace the Python wrapper instead.
+    # makes it trace the Python wrapper, which lowers to plain casts under compile.
     setattr(wrapper, "__script_if_tracing_wrapper", True)
     setattr(wrapper, "__original_fn", fallback)
     return wrapper
