@@ -17,7 +17,6 @@ docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,8 @@ import torch
 import amp_patch
 from amp_patch.cli import models
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402
+from common import (  # noqa: E402
+    interleaved_median, load_note, machine, markdown_table, publish)
 
 WORKLOADS = {
     "lm": lambda: models.lm(config=models.COMPARE_LM),
@@ -94,18 +94,15 @@ def main() -> None:
         ["model", "graphs", "breaks", "eager O1 ms/step", "compiled O1 ms/step",
          "compiled speed / eager", "C1 met (0 breaks, >= 1.0x)", "first compiled step (s)"],
         rows)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     body = (
         "## O1 under torch.compile (C1)\n\n"
         f"{machine()}; inductor; bf16; median of {args.repeats} interleaved steps after the "
-        f"compiling one. Load average (1 min) at the end: {load:.1f} on {os.cpu_count()} CPUs. "
+        f"compiling one. {load_note()} "
         "`lm` is `amp-patch compare`'s LM (d_model 256, 2 layers, seq 128, batch 8), "
         "`convnet` the built-in conv net (batch 64, 32x32).\n\n"
         f"{table}\n"
     )
-    print(body)
-    if not args.no_write:
-        print(f"wrote {write_section('compile', body)}")
+    publish("compile", body, write=not args.no_write)
 
 
 if __name__ == "__main__":

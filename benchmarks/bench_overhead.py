@@ -25,7 +25,6 @@ docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -36,7 +35,8 @@ import amp_patch
 from amp_patch import session as amp_session
 from amp_patch.patching import wrappers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402
+from common import (  # noqa: E402
+    interleaved_median, load_note, machine, markdown_table, publish)
 
 BLOCK = 200  # calls per timed block: amortises the loop and the autocast context entry
 NOTHING, CACHED = 0.3, 1.0  # the E4 targets, us per call over the anchor
@@ -135,15 +135,12 @@ def main() -> None:
           "yes" if o - a <= limit else "no", "" if p is None else f"{p - a:+.2f}")
          for case, anchor, a, o, p, limit in rows],
     )
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     body = (
         "## O1 wrapper overhead (E4)\n\n"
         f"{machine()}; median of {args.repeats} interleaved rounds of {BLOCK} calls. "
-        f"Load average (1 min) at the end: {load:.1f} on {os.cpu_count()} CPUs.\n\n{table}\n"
+        f"{load_note()}\n\n{table}\n"
     )
-    print(body)
-    if not args.no_write:
-        print(f"wrote {write_section('overhead', body)}")
+    publish("overhead", body, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,13 @@ def machine() -> str:
     return f"{where}; torch {torch.__version__}; {datetime.date.today().isoformat()}"
 
 
+def load_note() -> str:
+    """A sentence on the machine's load: the 1-minute load average and the CPU count."""
+    if not hasattr(os, "getloadavg"):
+        return "Load average: not available."
+    return f"Load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs."
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -114,3 +121,10 @@ def write_section(name: str, body: str, path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def publish(name: str, body: str, write: bool = True) -> None:
+    """Print a section, and write it into the report unless ``write`` is False."""
+    print(body)
+    if write:
+        print(f"wrote {write_section(name, body)}")
