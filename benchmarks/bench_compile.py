@@ -92,7 +92,8 @@ def main() -> None:
                      f"{r['compile_s']:.0f}"))
     table = markdown_table(
         ["model", "graphs", "breaks", "eager O1 ms/step", "compiled O1 ms/step",
-         "compiled speed / eager", "C1 met (0 breaks, >= 1.0x)", "first compiled step (s)"],
+         "compiled speed / eager", "C1 met (0 breaks, >= 1.0x)",
+         "first compiled step (s; inductor's disk cache may hold its kernels)"],
         rows)
     body = (
         "## O1 under torch.compile (C1)\n\n"
