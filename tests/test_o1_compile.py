@@ -114,3 +114,47 @@ def test_eval_forward_compiles_without_breaks(wrapper_path):
         model(w.batch_fn(0)[0])
         explained = torch._dynamo.explain(model)(w.batch_fn(1)[0])
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+_FIRST_IMPORT_IN_SESSION = r"""
+import sys
+import torch
+import amp_patch
+nn = torch.nn
+# No optimizer: building one would import torch._dynamo before the session.
+model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+amp_patch.initialize(model, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+assert "torch._dynamo" not in sys.modules
+import torch._dynamo  # first imported inside the session, as torch.compile would
+explained = torch._dynamo.explain(lambda x: model(x).float().sum())(torch.randn(2, 3, 6, 6))
+amp_patch.deinitialize()
+from torch._dynamo import trace_rules
+print(explained.graph_count, explained.graph_break_count,
+      torch.conv2d in trace_rules.get_torch_obj_rule_map())
+"""
+
+
+def test_dynamo_first_imported_inside_a_session():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _FIRST_IMPORT_IN_SESSION], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "0", "True"]
+
+
+def test_rules_rebuilt_inside_a_session_are_cleaned(wrapper_path):
+    from torch._dynamo import trace_rules
+    w = _workload("convnet")
+    model, _ = amp_patch.initialize(w.model, w.optimizer, opt_level="O1", half_dtype=HALF,
+                                    verbosity=0)
+    original_conv = torch.conv2d.__wrapped__
+    trace_rules.clear_lru_cache()  # dynamo rebuilds its maps now, from the patched torch
+    assert original_conv not in trace_rules.get_torch_obj_rule_map()
+    amp_patch.deinitialize()
+    assert original_conv in trace_rules.get_torch_obj_rule_map()
+    w = _workload("convnet")
+    model, _ = amp_patch.initialize(w.model, w.optimizer, opt_level="O1", half_dtype=HALF,
+                                    verbosity=0)
+    explained = torch._dynamo.explain(lambda b: w.loss_fn(model, b))(w.batch_fn(0))
+    assert explained.graph_break_count == 0, explained.break_reasons

@@ -16,10 +16,11 @@ import logging
 import torch
 
 from amp_patch.patching import rnn
+from amp_patch.patching.dynamo import RULES as _DYNAMO_RULES
 from amp_patch.patching.patcher import Patcher
 from amp_patch.patching.registry import REGISTRY
 from amp_patch.patching.derive import Spelling, spellings
-from amp_patch.patching.state import CastState, disable_casts
+from amp_patch.patching.state import CastState, active, disable_casts
 from amp_patch.patching.wrappers import Policy, make_wrapper
 
 __all__ = ["install", "spellings", "Spelling", "CastState", "disable_casts"]
@@ -55,6 +56,10 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
     state = CastState(session.props.half_dtype, allow_banned=allow_banned,
                       enable_caching=enable_caching)
     patcher = Patcher()
+    state.patches = patcher
+    # torch.compile must keep knowing torch's own functions (see patching/dynamo.py).
+    _DYNAMO_RULES.ensure_clean()
+    _DYNAMO_RULES.watch_import(lambda: getattr(active(), "patches", None))
 
     def undo() -> None:
         try:
@@ -62,6 +67,7 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
         finally:
             state.cache.clear()
             session.casts = None
+            _DYNAMO_RULES.ensure_clean()
 
     session.casts = state
     session.on_close("O1 patches", undo)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import wrapt
 
@@ -75,6 +76,28 @@ class Patcher:
         self.records.append(PatchRecord(parent, name, original, owned))
         return True
 
+    @contextlib.contextmanager
+    def showing_originals(self) -> Iterator[None]:
+        """Put every original back for the duration of the block, then the patches again.
+
+        For code that must see torch as it is without the patches (see
+        :mod:`amp_patch.patching.dynamo`). Not thread-safe: other threads see
+        the originals meanwhile.
+
+        Example::
+
+            >>> with patcher.showing_originals():
+            ...     assert torch.mm is torch._C._VariableFunctions.mm
+        """
+        installed = [vars(r.parent)[r.name] for r in self.records]
+        for record in reversed(self.records):
+            _restore(record)
+        try:
+            yield
+        finally:
+            for record, replacement in zip(self.records, installed):
+                setattr(record.parent, record.name, replacement)
+
     def undo_all(self) -> None:
         """Restore every patch, last first. Every undo runs even if one fails.
 
@@ -85,14 +108,18 @@ class Patcher:
         while self.records:
             record = self.records.pop()
             try:
-                if record.owned:
-                    setattr(record.parent, record.name, record.original)
-                else:
-                    delattr(record.parent, record.name)
+                _restore(record)
             except Exception as exc:  # keep going: a half-restored torch is worse
                 failures.append(f"{_describe(record.parent)}.{record.name}: {exc!r}")
         if failures:
             raise RuntimeError("could not restore " + "; ".join(failures))
+
+
+def _restore(record: PatchRecord) -> None:
+    if record.owned:
+        setattr(record.parent, record.name, record.original)
+    else:
+        delattr(record.parent, record.name)
 
 
 def _own_dict(parent: Any) -> dict:
