@@ -195,13 +195,17 @@ class OptimizerRecord:
         model of 20 M params) lands on newly mapped pages, and faulting them in
         costs several times the unscale pass itself. So each master keeps one
         buffer, as ``zero_grad(set_to_none=False)`` would keep its grad;
-        ``zero_grad()`` still sets ``.grad`` to None, and the next
-        ``scale_loss`` refills the same storage. A grad tensor kept by the
-        caller across iterations therefore sees the next iteration's values.
+        ``.grad`` itself is still released (see :meth:`release_master_grads`),
+        and the next ``scale_loss`` refills the same storage. A grad tensor
+        kept by the caller across iterations therefore sees the next
+        iteration's values.
         """
         buf = self._grad_buffers.get(id(master))
-        if buf is None or buf.shape != master.shape or buf.device != master.device:
-            buf = torch.empty_like(master, memory_format=torch.contiguous_format)
+        if buf is None or buf.shape != master.shape or buf.stride() != master.stride() \
+                or buf.device != master.device:
+            # The master's layout is its param's (channels-last stays channels-last), so the
+            # unscale pass reads the half grad and writes this buffer as two dense runs.
+            buf = torch.empty_like(master)
             self._grad_buffers[id(master)] = buf
         return buf
 
@@ -241,6 +245,7 @@ class OptimizerRecord:
             # A skipped step is still the optimizer's step for an LR scheduler: the flag its
             # wrapper would set, so no "lr_scheduler.step() before optimizer.step()" warning.
             self.optimizer._opt_called = True
+            self.release_master_grads()
             return None
         if self.master_weights and _call_arg(instance, args, kwargs, "closure") is not None:
             raise RuntimeError(
@@ -251,7 +256,19 @@ class OptimizerRecord:
             out = wrapped(*args, **kwargs)
         if self._model_of:
             self._copy_masters_to_model()
+            self.release_master_grads()
         return out
+
+    def release_master_grads(self) -> None:
+        """Set every master's ``.grad`` to None, as Apex did after each step and skipped step.
+
+        ``model.zero_grad()`` (or clearing the model's grads by hand) cannot
+        reach the masters, so without this the next iteration would add onto
+        this one's master grads. The storage itself is kept for the next
+        iteration (see :meth:`_master_grad_storage`).
+        """
+        for master in self._master_of.values():
+            master.grad = None
 
     @torch.no_grad()
     def _copy_masters_to_model(self) -> None:
@@ -287,6 +304,8 @@ class OptimizerRecord:
     def _zero_grad(self, wrapped, instance, args, kwargs):
         out = wrapped(*args, **kwargs)
         set_to_none = _call_arg(instance, args, kwargs, "set_to_none", default=True)
+        # Master grads are amp's, not the caller's: released whichever way, as in Apex.
+        self.release_master_grads()
         for p in self.stepped_params():
             model_p = self._model_of.get(id(p))
             if model_p is not None and model_p.grad is not None:
