@@ -132,6 +132,7 @@ def _build(session: _session.AmpSession) -> None:
     # Imported here: these modules import torch-heavy pieces that need ops registered first.
     from amp_patch import model as _model, optim as _optim
     from amp_patch.patching import install as _install_patches
+    from amp_patch.patching.state import disable_casts
     from amp_patch.scaler import LossScaler
 
     props = session.props
@@ -139,7 +140,8 @@ def _build(session: _session.AmpSession) -> None:
     if props.patch_torch_functions:
         _install_patches(session)
     for optimizer in session.optimizers:
-        session.optimizer_records[id(optimizer)] = _optim.process(optimizer, session)
+        session.optimizer_records[id(optimizer)] = _optim.process(
+            optimizer, bool(props.master_weights), session.on_close, disable_casts)
     session.scalers = [LossScaler.from_properties(props, loss_id=i)
                        for i in range(props.num_losses)]
 

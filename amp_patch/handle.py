@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from amp_patch import session as _session
-from amp_patch.optim import OptimizerRecord
 from amp_patch.scaler import LossScaleCollapseError
+
+if TYPE_CHECKING:
+    from amp_patch.optim import OptimizerRecord
 
 __all__ = ["scale_loss"]
 
