@@ -5,6 +5,12 @@ changes), so optimizers built before :func:`amp_patch.initialize` still hold
 the model's parameters. Inputs and outputs are cast by forward hooks, not by
 an overwritten ``forward``: DataParallel replicas copy hooks with the module.
 
+Under a half model type, ``model.state_dict()`` (of the model or any of its
+submodules) returns fp32 tensors, as Apex's state-dict hook did: a half
+parameter's entry is its fp32 master when an optimizer keeps one (the exact
+weights O2 trains), else the half tensor cast to fp32. ``load_state_dict``
+takes fp32 or half entries, and a master takes the loaded value exactly.
+
 Which tensors are cast: floating tensors of fp16, bf16 and fp32, the same rule
 as O1's wrappers (SPEC section 3). float64 passes through, so a caller who
 deliberately feeds doubles (a double-precision target, say) keeps them;
@@ -28,6 +34,7 @@ __all__ = ["prepare", "cast_floating", "CASTABLE_DTYPES"]
 
 #: The floating dtypes amp converts; float64 is left as the caller made it.
 CASTABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def prepare(session: AmpSession) -> None:
@@ -39,7 +46,9 @@ def prepare(session: AmpSession) -> None:
     batch norms when ``keep_batchnorm_fp32`` is set and the model type is a
     half dtype. A forward pre-hook casts floating inputs to the model type; a
     forward hook casts floating outputs to ``cast_model_outputs`` (fp32 when
-    None). Removing the hooks is registered with ``session.on_close``.
+    None). Under a half model type, state-dict hooks make ``model.state_dict()``
+    fp32 and let ``load_state_dict`` set the masters. Removing the hooks is
+    registered with ``session.on_close``.
 
     Args:
         session (AmpSession): the session being built; its ``models`` are changed in place.
@@ -62,6 +71,8 @@ def prepare(session: AmpSession) -> None:
             model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
             keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
             _cast_module(model, model_dtype, keep_bn)
+            if model_dtype in _HALF_DTYPES:
+                handles += _register_fp32_state_dict(model, session)
 
             def cast_inputs(module, args, kwargs, _dtype=model_dtype):
                 return cast_floating(args, _dtype), cast_floating(kwargs, _dtype)
@@ -92,6 +103,40 @@ def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf.dtype in CASTABLE_DTYPES and buf.dtype != dtype:
                 buf.data = buf.data.to(dtype)
+
+
+def _register_fp32_state_dict(model: nn.Module, session: AmpSession) -> list:
+    """One state-dict hook pair per module, each for its own params and buffers, so that a
+    submodule's ``state_dict()`` is fp32 too. Masters are looked up at call time: the
+    optimizers are processed after the model is cast."""
+
+    def own_tensors(module: nn.Module):
+        yield from module.named_parameters(recurse=False)
+        yield from module.named_buffers(recurse=False)
+
+    def to_fp32(module, state_dict, prefix, local_metadata) -> None:
+        for name, t in own_tensors(module):
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor) or value.dtype not in _HALF_DTYPES:
+                continue
+            master = session.master_for(t)
+            if master is None:
+                state_dict[key] = value.detach().float()
+            else:  # as state_dict(keep_vars=...) gave the param: the master itself, or detached
+                state_dict[key] = master if value is t else master.detach()
+
+    def load_masters(module, state_dict, prefix, *_) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                session.load_master(p, value)
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_state_dict_post_hook(to_fp32))
+        handles.append(module.register_load_state_dict_pre_hook(load_masters))
+    return handles
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -73,6 +73,23 @@ class AmpSession:
                 "amp_patch.initialize(); pass every optimizer that scale_loss will see"
             ) from None
 
+    def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master that an optimizer of this session keeps for ``param``, if any.
+
+        The master is first refreshed if ``param`` was written from outside
+        since amp last wrote it.
+        """
+        for record in self.optimizer_records.values():
+            master = record.masters.current_master(param)
+            if master is not None:
+                return master
+        return None
+
+    def load_master(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Set ``param``'s master, if it has one, to exactly ``value`` (a checkpoint's tensor)."""
+        for record in self.optimizer_records.values():
+            record.masters.load_master(param, value)
+
     def close(self) -> None:
         """Undo everything, last in first out. Every undo runs even if one fails.
 

@@ -154,20 +154,39 @@ class MasterWeights:
     def sync_from_model(self, stepped: Iterable[Tensor]) -> None:
         """Refresh masters whose model param was changed from outside since amp last wrote it.
 
-        ``model.load_state_dict(...)`` after :func:`amp_patch.initialize`
-        (fine-tuning from pretrained weights) writes the half params only;
-        stepping the stale masters would copy the old weights back. A master is
-        refreshed only when its param no longer equals the master rounded to
-        the param's dtype, so loading a consistent checkpoint keeps the exact
-        fp32 masters. An unchanged version counter costs no comparison (on
-        CUDA, ``torch.equal`` is a host sync).
+        ``p.data.copy_(...)`` or an optimizer-less load after
+        :func:`amp_patch.initialize` writes the half params only; stepping the
+        stale masters would copy the old weights back. A master is refreshed
+        only when its param no longer equals the master rounded to the param's
+        dtype, so writing consistent values keeps the exact fp32 masters. An
+        unchanged version counter costs no comparison (on CUDA, ``torch.equal``
+        is a host sync).
         """
         for model_p, master in self.pairs(stepped):
-            if self._written_version.get(id(model_p)) == model_p._version:
-                continue
+            self._refresh(model_p, master)
+
+    def current_master(self, param: Tensor) -> Tensor | None:
+        """The master of ``param``, refreshed first if the param was written from outside."""
+        master = self._master_of.get(id(param))
+        if master is not None:
+            self._refresh(param, master)
+        return master
+
+    @torch.no_grad()
+    def load_master(self, param: Tensor, value: Tensor) -> None:
+        """Set the master of ``param`` to ``value`` exactly (fp32 or half), before the param itself
+        is loaded with it: the later refresh then finds the two consistent and keeps the master."""
+        master = self._master_of.get(id(param))
+        if master is not None and value.shape == master.shape:
+            master.copy_(value)
+
+    def _refresh(self, model_p: Tensor, master: Tensor) -> None:
+        if self._written_version.get(id(model_p)) == model_p._version:
+            return
+        with torch.no_grad():
             if not torch.equal(model_p, master.to(model_p.dtype)):
                 master.copy_(model_p)
-            self._written_version[id(model_p)] = model_p._version
+        self._written_version[id(model_p)] = model_p._version
 
     def detach(self, optimizer: torch.optim.Optimizer) -> None:
         """Put the model params back in ``optimizer.param_groups`` and forget the masters.
