@@ -47,7 +47,8 @@ def initialize(
         models (torch.nn.Module or list of torch.nn.Module): the models. Wrap
             them in DataParallel or DistributedDataParallel *after* this call.
         optimizers (torch.optim.Optimizer or list, optional): the optimizers,
-            built over the models' parameters. Default: None.
+            built over the models' parameters; Apex's LARC around one is
+            accepted too. Default: None.
         enabled (bool, optional): False makes this call and :func:`scale_loss`
             no-ops. Default: True.
         opt_level (str, optional): ``"O0"`` fp32, ``"O1"`` patched torch
@@ -85,11 +86,13 @@ def initialize(
         ...     scaled_loss.backward()
         >>> optimizer.step()
     """
-    model_list, models_listed = _as_list(models, nn.Module, "models")
+    from amp_patch.optim import OPTIMIZER_TYPES
+
+    model_list, models_listed = _as_list(models, (nn.Module,), "models")
     if optimizers is None:
         opt_list, opts_listed = [], False
     else:
-        opt_list, opts_listed = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+        opt_list, opts_listed = _as_list(optimizers, OPTIMIZER_TYPES, "optimizers")
     _check_models(model_list)
     _check_optimizers(opt_list)
 
@@ -206,20 +209,20 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
         scaler.load_state_dict(state[f"loss_scaler{i}"])
 
 
-def _as_list(value: Any, kind: type, name: str) -> tuple[list, bool]:
-    if isinstance(value, kind):
+def _as_list(value: Any, kinds: tuple[type, ...], name: str) -> tuple[list, bool]:
+    if isinstance(value, kinds):
         return [value], False
+    described = " or ".join(f"{k.__module__}.{k.__qualname__}" for k in kinds)
     if isinstance(value, list):
         if not value:
             raise ValueError(f"{name} is an empty list")
-        bad = [type(v).__name__ for v in value if not isinstance(v, kind)]
+        bad = [type(v).__name__ for v in value if not isinstance(v, kinds)]
         if bad:
-            raise TypeError(f"{name} must be {kind.__name__} objects; got {', '.join(bad)}")
+            raise TypeError(f"{name} must be {described} objects; got {', '.join(bad)}")
         return list(value), True
     hint = " (pass a list, not a tuple)" if isinstance(value, tuple) else ""
     raise TypeError(
-        f"{name} must be a {kind.__module__}.{kind.__qualname__} or a list of them, "
-        f"got {type(value).__name__}{hint}"
+        f"{name} must be a {described} or a list of them, got {type(value).__name__}{hint}"
     )
 
 
@@ -238,14 +241,17 @@ def _check_models(models: Sequence[nn.Module]) -> None:
         )
 
 
-def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def _check_optimizers(optimizers: Sequence[Any]) -> None:
+    from amp_patch.optim import underlying_optimizer
+
     seen: set[int] = set()
     for opt in optimizers:
-        if id(opt) in seen:
+        inner = underlying_optimizer(opt)  # a LARC and the optimizer it wraps are one
+        if id(inner) in seen:
             raise ValueError(
-                f"the same optimizer ({type(opt).__name__}) was passed to initialize twice"
+                f"the same optimizer ({type(inner).__name__}) was passed to initialize twice"
             )
-        seen.add(id(opt))
+        seen.add(id(inner))
 
 
 def _floating_tensors(model: nn.Module):

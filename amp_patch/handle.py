@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from amp_patch import session as _session
+from amp_patch.optim import OPTIMIZER_TYPES
 from amp_patch.scaler import LossScaleCollapseError
 
 if TYPE_CHECKING:
@@ -141,10 +142,10 @@ def _end_iteration(session: _session.AmpSession) -> None:
 
 
 def _as_optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if isinstance(optimizers, OPTIMIZER_TYPES):
         return [optimizers]
     if isinstance(optimizers, (list, tuple)) and all(
-            isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            isinstance(o, OPTIMIZER_TYPES) for o in optimizers):
         return list(optimizers)
     raise TypeError(
         "scale_loss: optimizers must be an Optimizer or a list of Optimizers, "

@@ -32,7 +32,20 @@ the master moves to the parameter, cast to the parameter's dtype as
 keeps its current (half) values.
 """
 
+import torch
+
+from amp_patch.apex_compat.larc import LARC
 from amp_patch.optim.masters import MasterWeights, master_params
 from amp_patch.optim.record import OptimizerRecord, process
 
-__all__ = ["process", "OptimizerRecord", "MasterWeights", "master_params"]
+__all__ = ["process", "OptimizerRecord", "MasterWeights", "master_params", "OPTIMIZER_TYPES",
+           "underlying_optimizer"]
+
+#: What :func:`amp_patch.initialize` and :func:`amp_patch.scale_loss` take as an optimizer:
+#: torch's, or Apex's LARC around one (as Apex accepted it).
+OPTIMIZER_TYPES = (torch.optim.Optimizer, LARC)
+
+
+def underlying_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer itself: the one a LARC wraps, else ``optimizer``."""
+    return optimizer.optim if isinstance(optimizer, LARC) else optimizer

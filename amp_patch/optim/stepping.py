@@ -24,6 +24,8 @@ import torch
 import wrapt
 from torch import Tensor
 
+from amp_patch.apex_compat.larc import LARC
+
 if TYPE_CHECKING:
     from amp_patch.optim.record import OptimizerRecord
 
@@ -134,7 +136,10 @@ class PatchedMethods:
                          type(opt).__name__)
             # A skipped step is still the optimizer's step for an LR scheduler: the flag its
             # wrapper would set, so no "lr_scheduler.step() before optimizer.step()" warning.
+            # (A scheduler sits on the optimizer a LARC wraps, so that one gets it too.)
             opt._opt_called = True
+            if isinstance(opt, LARC):
+                opt.optim._opt_called = True
             masters.release_grads()
             return None
         if record.master_weights and _call_arg(instance, args, kwargs, "closure") is not None:
