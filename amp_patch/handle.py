@@ -62,7 +62,8 @@ def scale_loss(
 
     Raises:
         RuntimeError: :func:`amp_patch.initialize` was not called, ``loss_id``
-            is out of range, or an optimizer was not passed to initialize.
+            is out of range, an optimizer was not passed to initialize, or this
+            block is nested in another ``scale_loss`` block.
         amp_patch.scaler.LossScaleCollapseError: the dynamic scale would fall
             below its floor; names the params with non-finite grads.
 
@@ -88,7 +89,28 @@ def scale_loss(
             f"num_losses={props.num_losses}, so loss_id must be in 0..{props.num_losses - 1}"
         )
     records = [session.record_for(opt) for opt in opt_list]
-    if props.skips_unscale:
+    if session.scale_loss_open:
+        # The inner block's prepare_backward would stash the outer's still scaled grads
+        # as if unscaled, and the sum would come out with the inner loss counted twice.
+        raise RuntimeError(
+            "amp_patch.scale_loss() blocks cannot be nested: the scale_loss block of an "
+            "earlier loss is still open. Close it (call its backward() inside it) before "
+            "entering the next one; losses may share one block (scale_loss(loss1 + loss2, ...)) "
+            "or follow each other with their own loss_id."
+        )
+    session.scale_loss_open = True
+    try:
+        yield from _scaled_backward(session, loss, records, loss_id, delay_unscale,
+                                    delay_overflow_check)
+    finally:
+        session.scale_loss_open = False
+
+
+def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[OptimizerRecord],
+                     loss_id: int, delay_unscale: bool,
+                     delay_overflow_check: bool) -> Iterator[Tensor]:
+    """The body of :func:`scale_loss` once its arguments are checked: yields the scaled loss."""
+    if session.props.skips_unscale:
         try:
             yield loss.float()
         finally:

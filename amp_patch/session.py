@@ -37,6 +37,8 @@ class AmpSession:
         optimizer_records (dict): ``id(optimizer)`` to its
             :class:`~amp_patch.optim.OptimizerRecord`.
         scalers (list of LossScaler): one per ``loss_id``.
+        scale_loss_open (bool): True inside a :func:`amp_patch.scale_loss` block
+            (they cannot be nested).
     """
 
     def __init__(self, props: "Properties", models: list[torch.nn.Module],
@@ -47,6 +49,7 @@ class AmpSession:
         self.casts: CastState | None = None
         self.optimizer_records: dict[int, OptimizerRecord] = {}
         self.scalers: list[LossScaler] = []
+        self.scale_loss_open = False
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self.closed = False
 
