@@ -34,6 +34,7 @@ def initialize(
     max_loss_scale: float = 2.0**24,
     *,
     half_dtype: torch.dtype | None = None,
+    max_consecutive_skips: int | None = None,
 ):
     """Set up mixed precision for models and optimizers at an opt level.
 
@@ -68,6 +69,10 @@ def initialize(
         max_loss_scale (float, optional): ceiling of the dynamic scale. Default: 2**24.
         half_dtype (torch.dtype, optional): ``torch.float16`` or
             ``torch.bfloat16``. Default: fp16 for models on CUDA, else bf16.
+        max_consecutive_skips (int, optional): with a static loss scale, the
+            consecutive skipped steps of one loss allowed before the next
+            overflow raises :class:`~amp_patch.scaler.LossScaleCollapseError`.
+            Default: 50.
 
     Returns:
         The models and optimizers, as passed.
@@ -110,6 +115,7 @@ def initialize(
         verbosity=verbosity,
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
+        max_consecutive_skips=max_consecutive_skips,
     )
     _logging.configure(props.verbosity)
 
