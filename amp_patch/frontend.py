@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence, TypeVar
 
 import torch
@@ -79,7 +80,9 @@ def initialize(
 
     Raises:
         ValueError: an unknown opt level, a disallowed override, the same
-            optimizer twice, or parameters on more than one device type.
+            optimizer twice, parameters on more than one device type, or (at
+            O2/O3) optimizer parameters that belong to none of the models; at
+            O0/O1 those are a warning.
         TypeError: a model or optimizer of the wrong type (a tuple where a
             list is expected, a wrapped model).
         RuntimeError: a session is already live; call :func:`deinitialize` first.
@@ -118,6 +121,8 @@ def initialize(
         max_consecutive_skips=max_consecutive_skips,
     )
     _logging.configure(props.verbosity)
+    if props.enabled:
+        _check_params_belong(model_list, opt_list, props)
 
     session = _session.AmpSession(props, model_list, opt_list)
     _session.activate(session)
@@ -258,6 +263,31 @@ def _check_optimizers(optimizers: Sequence[Any]) -> None:
                 f"the same optimizer ({type(inner).__name__}) was passed to initialize twice"
             )
         seen.add(id(inner))
+
+
+def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
+                         props: Properties) -> None:
+    """Optimizer params outside every model: an error where the models are cast (O2/O3: the
+    optimizer would step tensors the cast models no longer use), else a warning."""
+    from amp_patch.optim import underlying_optimizer
+
+    owned = {id(p) for m in models for p in m.parameters()}
+    foreign = [f"{type(opt).__name__} param_groups[{gi}]['params'][{pi}] "
+               f"(shape {tuple(p.shape)}, {p.dtype})"
+               for opt in map(underlying_optimizer, optimizers)
+               for gi, group in enumerate(opt.param_groups)
+               for pi, p in enumerate(group["params"]) if id(p) not in owned]
+    if not foreign:
+        return
+    n = len(foreign)
+    shown = ", ".join(foreign[:5]) + (f", and {n - 5} more" if n > 5 else "")
+    what = (f"{n} parameter{'s' if n > 1 else ''} of the optimizers belong{'s' if n == 1 else ''} "
+            f"to none of the models passed to amp_patch.initialize(): {shown}")
+    if props.opt_level in ("O2", "O3"):
+        raise ValueError(f"{what}. {props.opt_level} casts the models passed, so the optimizer "
+                         "must be built over their parameters: pass every model it steps.")
+    warnings.warn(f"{what}. amp will step them but casts nothing for them; pass every model "
+                  "the optimizer steps.", stacklevel=3)
 
 
 def _floating_tensors(model: nn.Module):
