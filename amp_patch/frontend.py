@@ -81,8 +81,8 @@ def initialize(
     Raises:
         ValueError: an unknown opt level, a disallowed override, the same
             optimizer twice, parameters on more than one device type, or (at
-            O2/O3) optimizer parameters that belong to none of the models; at
-            O0/O1 those are a warning.
+            O2/O3) optimizer parameters that belong to none of the models (at
+            O0/O1 those are a warning) or float64 parameters.
         TypeError: a model or optimizer of the wrong type (a tuple where a
             list is expected, a wrapped model).
         RuntimeError: a session is already live; call :func:`deinitialize` first.
@@ -123,6 +123,7 @@ def initialize(
     _logging.configure(props.verbosity)
     if props.enabled:
         _check_params_belong(model_list, opt_list, props)
+        _check_no_float64_params(model_list, props)
 
     session = _session.AmpSession(props, model_list, opt_list)
     _session.activate(session)
@@ -288,6 +289,22 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
                          "must be built over their parameters: pass every model it steps.")
     warnings.warn(f"{what}. amp will step them but casts nothing for them; pass every model "
                   "the optimizer steps.", stacklevel=3)
+
+
+def _check_no_float64_params(models: Sequence[nn.Module], props: Properties) -> None:
+    """amp casts fp16/bf16/fp32 only; a float64 param left in a half model fails at the first
+    forward with a dtype mismatch, so say it here, by name."""
+    if props.cast_model_type not in (torch.float16, torch.bfloat16):
+        return
+    from amp_patch.model import named_parameters
+
+    doubles = [name for name, p in named_parameters(list(models)) if p.dtype == torch.float64]
+    if doubles:
+        raise ValueError(
+            f"{props.opt_level} casts the model to {props.cast_model_type}, but amp leaves float64 "
+            f"parameters as they are, and these would then meet half inputs: {', '.join(doubles)}. "
+            "Convert the model to float32 (model.float()) before amp_patch.initialize()."
+        )
 
 
 def _floating_tensors(model: nn.Module):

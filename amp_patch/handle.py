@@ -176,11 +176,9 @@ def _as_optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
 
 
 def _nonfinite_names(session: _session.AmpSession, records: list[OptimizerRecord]) -> list[str]:
-    names: dict[int, str] = {}
-    for mi, model in enumerate(session.models):
-        prefix = f"model{mi}." if len(session.models) > 1 else ""
-        for name, param in model.named_parameters():
-            names.setdefault(id(param), prefix + name)
+    from amp_patch.model import named_parameters
+
+    names = {id(param): name for name, param in named_parameters(session.models)}
     found: list[str] = []
     for record in records:
         found += [n for n in record.nonfinite_grad_names(names) if n not in found]

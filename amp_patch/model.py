@@ -30,7 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from amp_patch.session import AmpSession
 
-__all__ = ["prepare", "cast_floating", "CASTABLE_DTYPES"]
+__all__ = ["prepare", "cast_floating", "named_parameters", "CASTABLE_DTYPES"]
 
 #: The floating dtypes amp converts; float64 is left as the caller made it.
 CASTABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -89,6 +89,30 @@ def prepare(session: AmpSession) -> None:
             handle.remove()
 
     session.on_close("model hooks", remove_hooks)
+
+
+def named_parameters(models: list[nn.Module]):
+    """``(name, param)`` over several models, for messages: ``model1.0.weight`` when there are
+    several, ``0.weight`` for one. A param shared by two models comes once.
+
+    Args:
+        models (list of torch.nn.Module): the models, as passed to initialize.
+
+    Yields:
+        tuple: the qualified name and the parameter.
+
+    Example::
+
+        >>> dict(named_parameters([mlp_a, mlp_b]))["model1.0.bias"].shape
+        torch.Size([16])
+    """
+    seen: set[int] = set()
+    for i, model in enumerate(models):
+        prefix = f"model{i}." if len(models) > 1 else ""
+        for name, param in model.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield prefix + name, param
 
 
 def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:

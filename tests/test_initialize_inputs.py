@@ -39,3 +39,22 @@ def test_optimizer_over_the_models_params_gives_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         amp.initialize([a, b], opt, opt_level="O1", verbosity=0)
+
+
+# --- float64 params (9.12) -----------------------------------------------------------------
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_float64_params_are_an_error_where_the_model_is_cast_to_half(level):
+    model = mlp()
+    model[2].double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"float64.*2\.weight, 2\.bias"):
+        amp.initialize(model, opt, opt_level=level, verbosity=0)
+    assert model[0].weight.dtype == torch.float32  # nothing was applied
+    assert "step" not in vars(opt)
+
+
+def test_float64_params_pass_at_o1():
+    model = nn.Sequential(nn.Linear(2, 2).double())
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    assert model(torch.ones(1, 2, dtype=torch.float64)).dtype == torch.float64
