@@ -131,8 +131,9 @@ def initialize(
         try:
             _build(session)
         except BaseException:
-            _session.reset()
+            _session.reset(abort=True)  # nothing stays half-applied, model dtypes included
             raise
+        session.commit()
         _logging.logger.info("%s", props.describe())
     else:
         _logging.logger.info("amp_patch is disabled (enabled=False): models and optimizers unchanged")

@@ -48,7 +48,9 @@ def prepare(session: AmpSession) -> None:
     forward hook casts floating outputs to ``cast_model_outputs`` (fp32 when
     None). Under a half model type, state-dict hooks make ``model.state_dict()``
     fp32 and let ``load_state_dict`` set the masters. Removing the hooks is
-    registered with ``session.on_close``.
+    registered with ``session.on_close``, and so is undoing the casts, for an
+    :func:`amp_patch.initialize` that fails later on (a successful session
+    keeps the model's dtypes at deinitialize).
 
     Args:
         session (AmpSession): the session being built; its ``models`` are changed in place.
@@ -65,12 +67,28 @@ def prepare(session: AmpSession) -> None:
     output_dtype = props.cast_model_outputs or (torch.float32 if props.casts_model else None)
     if not props.casts_model and output_dtype is None:
         return
-    handles = []
+    handles: list = []
+    originals: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def remove_hooks() -> None:
+        for handle in handles:
+            handle.remove()
+
+    def uncast() -> None:
+        # The very tensors from before the cast: a cast back would round fp32 values to half.
+        for t, data, grad in reversed(originals):
+            t.data = data
+            if isinstance(t, nn.Parameter):
+                t.grad = grad
+
+    # Registered before anything changes, so that a failure half-way is undone too.
+    session.on_close("model casts", None, abort=uncast)
+    session.on_close("model hooks", remove_hooks)
     for model in session.models:
         if props.casts_model:
             model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
             keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
-            _cast_module(model, model_dtype, keep_bn)
+            _cast_module(model, model_dtype, keep_bn, originals)
             if model_dtype in _HALF_DTYPES:
                 handles += _register_fp32_state_dict(model, session)
 
@@ -83,12 +101,6 @@ def prepare(session: AmpSession) -> None:
             return cast_floating(output, _dtype)
 
         handles.append(model.register_forward_hook(cast_outputs))
-
-    def remove_hooks() -> None:
-        for handle in handles:
-            handle.remove()
-
-    session.on_close("model hooks", remove_hooks)
 
 
 def named_parameters(models: list[nn.Module]):
@@ -115,17 +127,21 @@ def named_parameters(models: list[nn.Module]):
                 yield prefix + name, param
 
 
-def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
+                 originals: list) -> None:
+    """Cast through ``.data``; each tensor's uncast data and grad go to ``originals`` first."""
     for module in model.modules():
         if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) and module.affine:
             continue  # SyncBatchNorm is a _BatchNorm too
         for param in module.parameters(recurse=False):
             if param.dtype in CASTABLE_DTYPES and param.dtype != dtype:
+                originals.append((param, param.data, param.grad))
                 param.data = param.data.to(dtype)
                 if param.grad is not None:
                     param.grad = param.grad.to(dtype)
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf.dtype in CASTABLE_DTYPES and buf.dtype != dtype:
+                originals.append((buf, buf.data, None))
                 buf.data = buf.data.to(dtype)
 
 

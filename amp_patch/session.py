@@ -53,14 +53,23 @@ class AmpSession:
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self.closed = False
 
-    def on_close(self, what: str, undo: Callable[[], None]) -> None:
+    def on_close(self, what: str, undo: Callable[[], None] | None,
+                 abort: Callable[[], None] | None = None) -> None:
         """Register ``undo`` to run at :meth:`close`, before everything registered earlier.
 
         Args:
             what (str): a short description, used in error messages.
-            undo (callable): takes no arguments.
+            undo (callable or None): takes no arguments; None for nothing.
+            abort (callable, optional): run instead of ``undo`` when the
+                :func:`amp_patch.initialize` that builds this session fails
+                (``close(abort=True)``), to put back what a finished session
+                keeps (the model's dtypes, say). Dropped by :meth:`commit`.
         """
-        self._undo.append((what, undo))
+        self._undo.append((what, undo, abort))
+
+    def commit(self) -> None:
+        """initialize succeeded: forget the abort-only undos (and what they held on to)."""
+        self._undo = [(what, undo, None) for what, undo, _ in self._undo]
 
     def record_for(self, optimizer: torch.optim.Optimizer) -> "OptimizerRecord":
         """The record of an optimizer passed to initialize.
@@ -93,8 +102,13 @@ class AmpSession:
         for record in self.optimizer_records.values():
             record.masters.load_master(param, value)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         """Undo everything, last in first out. Every undo runs even if one fails.
+
+        Args:
+            abort (bool, optional): the session's initialize failed: run the
+                abort undos where given, so that nothing stays half-applied.
+                Default: False.
 
         Raises:
             RuntimeError: after all undos ran, if any of them failed.
@@ -104,7 +118,11 @@ class AmpSession:
         self.closed = True
         failures = []
         while self._undo:
-            what, undo = self._undo.pop()
+            what, undo, on_abort = self._undo.pop()
+            if abort and on_abort is not None:
+                undo = on_abort
+            if undo is None:
+                continue
             try:
                 undo()
             except Exception as exc:  # keep undoing: a half-undone torch is worse
@@ -151,9 +169,14 @@ def activate(session: AmpSession) -> None:
     _current = session
 
 
-def reset() -> None:
-    """Close the live session, if any, and forget it. Torch ends up unpatched even on failure."""
+def reset(abort: bool = False) -> None:
+    """Close the live session, if any, and forget it. Torch ends up unpatched even on failure.
+
+    Args:
+        abort (bool, optional): the session's initialize failed (see
+            :meth:`AmpSession.close`). Default: False.
+    """
     global _current
     session, _current = _current, None
     if session is not None:
-        session.close()
+        session.close(abort=abort)

@@ -58,3 +58,74 @@ def test_float64_params_pass_at_o1():
     model = nn.Sequential(nn.Linear(2, 2).double())
     amp.initialize(model, opt_level="O1", verbosity=0)
     assert model(torch.ones(1, 2, dtype=torch.float64)).dtype == torch.float64
+
+
+# --- a failed initialize leaves nothing half-applied (9.13) ---------------------------------
+
+def _fail_in_process(monkeypatch):
+    import amp_patch.optim as optim
+
+    def boom(*_):
+        raise RuntimeError("injected failure")
+    monkeypatch.setattr(optim, "process", boom)
+
+
+def _fail_after_masters(monkeypatch):
+    from amp_patch.optim.stepping import PatchedMethods
+
+    def boom(self):
+        raise RuntimeError("injected failure")
+    monkeypatch.setattr(PatchedMethods, "install", boom)
+
+
+def _fail_in_scalers(monkeypatch):
+    from amp_patch.scaler import LossScaler
+
+    def boom(*_, **__):
+        raise RuntimeError("injected failure")
+    monkeypatch.setattr(LossScaler, "from_properties", boom)
+
+
+def _state(model, opt):
+    tensors = {("model", k): (v, v.dtype, v.detach().clone())
+               for k, v in model.state_dict(keep_vars=True).items()}
+    tensors.update({("grad", k): (p.grad, p.grad.dtype, p.grad.clone())
+                    for k, p in model.named_parameters() if p.grad is not None})
+    groups = [list(g["params"]) for g in opt.param_groups]
+    state = {id(p): dict(opt.state[p]) for g in groups for p in g if p in opt.state}
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._state_dict_hooks),
+              len(m._load_state_dict_pre_hooks)) for m in model.modules()]
+    return tensors, groups, state, hooks, set(vars(opt))
+
+
+def _assert_unchanged(before, after):
+    (t0, g0, s0, h0, d0), (t1, g1, s1, h1, d1) = before, after
+    assert t0.keys() == t1.keys()
+    for k, (obj, dtype, value) in t0.items():
+        obj1, dtype1, value1 = t1[k]
+        assert obj1 is obj and dtype1 == dtype and torch.equal(value1, value), k
+    assert all(a is b for ga, gb in zip(g0, g1) for a, b in zip(ga, gb)) and len(g0) == len(g1)
+    assert s0.keys() == s1.keys()
+    for pid, st in s0.items():
+        assert st.keys() == s1[pid].keys()
+        assert all(s1[pid][k] is v for k, v in st.items()), pid
+    assert h0 == h1 and d0 == d1
+
+
+@pytest.mark.parametrize("fail", [_fail_in_process, _fail_after_masters, _fail_in_scalers])
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_failed_initialize_leaves_model_and_optimizer_as_they_were(level, fail, monkeypatch):
+    from training_utils import conv_batch, convnet, xent
+
+    model = convnet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = conv_batch(0)
+    xent(model(x), y).backward()
+    opt.step()  # optimizer state exists, and grads stay in the params
+    before = _state(model, opt)
+    fail(monkeypatch)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        amp.initialize(model, opt, opt_level=level, verbosity=0)
+    _assert_unchanged(before, _state(model, opt))
+    monkeypatch.undo()
+    amp.initialize(model, opt, opt_level=level, verbosity=0)  # and it can be initialized

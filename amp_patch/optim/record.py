@@ -190,31 +190,51 @@ class OptimizerRecord:
         to that parameter's dtype except ``step`` counters. Values are not
         changed: after every step the model already equals its masters.
         """
+        self._uninstall()
+        opt = self._optimizer_ref()
+        if opt is not None and len(self.masters):
+            self.masters.detach(opt)
+
+    def abort(self, groups: list[list[Tensor]], state: dict) -> None:
+        """Undo a :meth:`install` of a failed initialize: as :meth:`restore`, but the param
+        lists and the state entries go back to the very objects of before (see :func:`process`)."""
+        self._uninstall()
+        opt = self._optimizer_ref()
+        if opt is None:
+            return
+        for group, params in zip(opt.param_groups, groups):
+            for p in group["params"]:
+                if self.masters.is_master(p):
+                    opt.state.pop(p, None)
+            group["params"][:] = params
+        opt.state.update(state)
+        self.masters.detach(opt)
+
+    def _uninstall(self) -> None:
         self.active = False
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
         self._methods.restore()
         self._prior.clear()
-        opt = self._optimizer_ref()
-        if opt is not None and len(self.masters):
-            self.masters.detach(opt)
 
 
 def process(optimizer: torch.optim.Optimizer, master_weights: bool,
-            on_close: Callable[[str, Callable[[], None]], None],
+            on_close: Callable[..., None],
             step_context: Callable[[], ContextManager] = contextlib.nullcontext) -> OptimizerRecord:
     """Make ``optimizer`` an amp optimizer.
 
     Creates the fp32 masters when ``master_weights`` is set and wraps
     ``step``, ``zero_grad`` and ``add_param_group``. Registers the undo
-    (:meth:`OptimizerRecord.restore`) with ``on_close`` first, so that it runs
-    even when installing fails half-way.
+    (:meth:`OptimizerRecord.restore`, or :meth:`OptimizerRecord.abort` when
+    initialize fails) with ``on_close`` first, so that it runs even when
+    installing fails half-way.
 
     Args:
         optimizer (torch.optim.Optimizer): built over the (already cast) model's params.
         master_weights (bool): keep fp32 masters of the half params.
-        on_close (callable): ``on_close(what, undo)`` registers an undo with the session.
+        on_close (callable): ``on_close(what, undo, abort=...)`` registers an undo with
+            the session.
         step_context (callable, optional): returns the context manager that
             ``step()`` runs in. Default: none.
 
@@ -228,6 +248,10 @@ def process(optimizer: torch.optim.Optimizer, master_weights: bool,
         True
     """
     record = OptimizerRecord(optimizer, master_weights, step_context)
-    on_close(f"{type(optimizer).__name__} methods and masters", record.restore)
+    # What a failed initialize puts back: the param lists and state entries themselves.
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    state = {p: optimizer.state[p] for params in groups for p in params if p in optimizer.state}
+    on_close(f"{type(optimizer).__name__} methods and masters", record.restore,
+             abort=lambda: record.abort(groups, state))
     record.install()
     return record
