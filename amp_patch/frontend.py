@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, Sequence, TypeVar
 
 import torch
@@ -203,23 +204,42 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     """Restore the loss scalers' state saved by :func:`state_dict`. Call after :func:`initialize`.
 
     Args:
-        state (dict): as returned by :func:`state_dict`.
+        state (dict): as returned by :func:`state_dict`: ``{"loss_scaler0":
+            {"loss_scale": float, "unskipped": int, ...}, ...}``, one entry per
+            loss; other keys are ignored.
 
     Raises:
-        RuntimeError: if :func:`initialize` was not called, or the number of
-            scalers differs from ``num_losses``.
+        RuntimeError: if :func:`initialize` was not called, or the checkpoint's
+            scalers are not ``loss_scaler0`` to ``loss_scaler{num_losses - 1}``.
+        TypeError: ``state``, or one scaler's entry, is not a dict.
+        ValueError: a key ``loss_scaler...`` without a number, or an entry
+            without ``loss_scale`` and ``unskipped`` or with bad values.
+
+    Every entry is checked before any is loaded: a bad checkpoint changes nothing.
     """
     session = _session.require("amp_patch.load_state_dict()")
     if not session.props.enabled:
         return
-    keys = sorted((k for k in state if k.startswith("loss_scaler")), key=lambda k: int(k[11:]))
-    if len(keys) != len(session.scalers):
+    n = len(session.scalers)
+    expected = [f"loss_scaler{i}" for i in range(n)]
+    form = ("the dict that amp_patch.state_dict() returns, {'loss_scaler0': {'loss_scale': "
+            "float, 'unskipped': int}, ...}")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"amp_patch.load_state_dict() takes {form}; got {type(state).__name__}")
+    keys = [k for k in state if isinstance(k, str) and k.startswith("loss_scaler")]
+    bad = [k for k in keys if not k[len("loss_scaler"):].isdigit()]
+    if bad:
+        raise ValueError(f"unexpected key {bad[0]!r} in the amp state: loss scalers are saved as "
+                         f"{', '.join(expected)} (loss_scaler followed by the loss_id)")
+    if sorted(keys) != sorted(expected):
         raise RuntimeError(
-            f"the checkpoint holds {len(keys)} loss scaler(s) but initialize() was called with "
-            f"num_losses={len(session.scalers)}"
+            f"the checkpoint holds the loss scalers {sorted(keys)} but initialize() was called "
+            f"with num_losses={n}, which needs {expected}"
         )
-    for i, scaler in enumerate(session.scalers):
-        scaler.load_state_dict(state[f"loss_scaler{i}"])
+    for key, scaler in zip(expected, session.scalers):
+        scaler.check_state_dict(state[key])
+    for key, scaler in zip(expected, session.scalers):
+        scaler.load_state_dict(state[key])
 
 
 def _as_list(value: Any, kinds: tuple[type, ...], name: str) -> tuple[list, bool]:

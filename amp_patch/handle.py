@@ -61,6 +61,7 @@ def scale_loss(
         Tensor: the scaled loss, fp32.
 
     Raises:
+        TypeError: ``loss`` is not a tensor, or ``optimizers`` not optimizers.
         RuntimeError: :func:`amp_patch.initialize` was not called, ``loss_id``
             is out of range, an optimizer was not passed to initialize, or this
             block is nested in another ``scale_loss`` block.
@@ -82,6 +83,12 @@ def scale_loss(
     if not props.enabled:
         yield loss
         return
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            "scale_loss: the loss must be a torch.Tensor (the one to call backward() on, "
+            f"as in `with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()`); "
+            f"got {type(loss).__name__}"
+        )
     opt_list = _as_optimizer_list(optimizers)
     if not isinstance(loss_id, int) or isinstance(loss_id, bool) or not 0 <= loss_id < props.num_losses:
         raise RuntimeError(
@@ -170,8 +177,8 @@ def _as_optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
             isinstance(o, OPTIMIZER_TYPES) for o in optimizers):
         return list(optimizers)
     raise TypeError(
-        "scale_loss: optimizers must be an Optimizer or a list of Optimizers, "
-        f"got {type(optimizers).__name__}"
+        "scale_loss: optimizers must be an Optimizer (or a LARC) passed to initialize, or a "
+        f"list of them; got {type(optimizers).__name__}"
     )
 
 

@@ -15,7 +15,8 @@ for the fused ops; every fused call in amp_patch goes through it.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -306,6 +307,41 @@ class LossScaler:
                 "skipped": self._skipped, "dynamic": self.dynamic,
                 "consecutive_skips": self._consecutive}
 
+    def check_state_dict(self, state: Any) -> tuple[float, int, int, int]:
+        """Validate a saved state without loading it.
+
+        Args:
+            state (dict): as :meth:`state_dict` returned it.
+
+        Returns:
+            tuple: ``(loss_scale, unskipped, skipped, consecutive_skips)``.
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            ValueError: a required key is missing, or a value is not a number
+                of the right kind (the scale must be positive and finite).
+        """
+        where = f"loss scaler {self.loss_id} (loss_scaler{self.loss_id})"
+        form = ("a dict such as {'loss_scale': 65536.0, 'unskipped': 0}, as "
+                "amp_patch.state_dict() saves it")
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}: the saved state must be {form}; got {type(state).__name__}")
+        missing = [k for k in ("loss_scale", "unskipped") if k not in state]
+        if missing:
+            raise ValueError(f"{where}: the saved state lacks {', '.join(map(repr, missing))}; "
+                             f"it must be {form}")
+        try:
+            scale = float(state["loss_scale"])
+            counts = tuple(_count(state.get(k, 0)) for k in ("unskipped", "skipped",
+                                                             "consecutive_skips"))
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: 'loss_scale' must be a number and 'unskipped', 'skipped' "
+                             f"and 'consecutive_skips' non-negative ints; got {dict(state)!r}") from None
+        if not (0.0 < scale < float("inf")):
+            raise ValueError(f"{where}: invalid saved loss_scale {scale!r}; it must be a positive "
+                             "finite number")
+        return (scale, *counts)
+
     def load_state_dict(self, state: dict) -> None:
         """Restore the state saved by :meth:`state_dict`; pending overflow flags are cleared.
 
@@ -313,14 +349,9 @@ class LossScaler:
             state (dict): needs ``"loss_scale"`` and ``"unskipped"``; other keys are optional.
 
         Raises:
-            ValueError: if the saved scale is not a positive finite number.
+            TypeError, ValueError: as :meth:`check_state_dict`; nothing is changed then.
         """
-        scale = float(state["loss_scale"])
-        if not (0.0 < scale < float("inf")):
-            raise ValueError(f"loss scaler {self.loss_id}: invalid saved loss_scale {scale!r}")
-        self._unskipped = int(state["unskipped"])
-        self._skipped = int(state.get("skipped", 0))
-        self._consecutive = int(state.get("consecutive_skips", 0))
+        scale, self._unskipped, self._skipped, self._consecutive = self.check_state_dict(state)
         self._set_scale(scale)
         for dev in self._devices.values():
             dev.found_inf.zero_()
@@ -328,6 +359,12 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return f"LossScaler(id={self.loss_id}, {kind}, scale={self._scale}, unskipped={self._unskipped})"
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"not a count: {value!r}")
+    return int(value)
 
 
 def _all_reduce_max(flag: Tensor) -> Tensor:

@@ -129,3 +129,43 @@ def test_failed_initialize_leaves_model_and_optimizer_as_they_were(level, fail, 
     _assert_unchanged(before, _state(model, opt))
     monkeypatch.undo()
     amp.initialize(model, opt, opt_level=level, verbosity=0)  # and it can be initialized
+
+
+# --- bad input to scale_loss and load_state_dict (9.14) -------------------------------------
+
+def test_scale_loss_of_a_number_names_the_expected_form():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with pytest.raises(TypeError, match="loss must be a torch.Tensor.*got float"):
+        with amp.scale_loss(3.0, opt):
+            pass
+
+
+@pytest.mark.parametrize("state, exc, match", [
+    (None, TypeError, r"dict.*loss_scaler0.*got NoneType"),
+    ({"loss_scaler0": {}}, ValueError, r"loss_scaler0.*'loss_scale'.*'unskipped'"),
+    ({"loss_scaler0": 3.0}, TypeError, r"loss_scaler0.*dict.*got float"),
+    ({"loss_scaler0": {"loss_scale": "big", "unskipped": 0}}, ValueError, r"loss_scale"),
+    ({"loss_scalerX": {}}, ValueError, r"'loss_scalerX'.*loss_scaler0"),
+    ({"loss_scaler1": {"loss_scale": 1.0, "unskipped": 0}}, RuntimeError, r"loss_scaler0"),
+], ids=["none", "empty_scaler", "scaler_not_dict", "bad_scale", "bad_key", "wrong_index"])
+def test_load_state_dict_bad_input_names_the_expected_form_and_loses_nothing(state, exc, match):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    before = amp.state_dict()
+    with pytest.raises(exc, match=match):
+        amp.load_state_dict(state)
+    assert amp.state_dict() == before
+
+
+def test_load_state_dict_checks_every_scaler_before_loading_any():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", num_losses=2, verbosity=0)
+    before = amp.state_dict()
+    with pytest.raises(ValueError, match="loss_scaler1"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3},
+                             "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
+    assert amp.state_dict() == before
