@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import TYPE_CHECKING, Callable
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -39,6 +41,7 @@ class AmpSession:
         scalers (list of LossScaler): one per ``loss_id``.
         scale_loss_open (bool): True inside a :func:`amp_patch.scale_loss` block
             (they cannot be nested).
+        serial (int): this session's number in the process, for messages.
     """
 
     def __init__(self, props: "Properties", models: list[torch.nn.Module],
@@ -50,6 +53,7 @@ class AmpSession:
         self.optimizer_records: dict[int, OptimizerRecord] = {}
         self.scalers: list[LossScaler] = []
         self.scale_loss_open = False
+        self.serial = next(_serials)
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self.closed = False
 
@@ -74,16 +78,29 @@ class AmpSession:
     def record_for(self, optimizer: torch.optim.Optimizer) -> "OptimizerRecord":
         """The record of an optimizer passed to initialize.
 
+        The table is keyed by ``id()``; the record must also hold this very
+        object, so an id recycled by another object never finds it.
+
         Raises:
-            RuntimeError: if the optimizer was not passed to :func:`amp_patch.initialize`.
+            RuntimeError: if the optimizer was not passed to the
+                :func:`amp_patch.initialize` of this session (the message says
+                when an earlier, deinitialized session had it).
         """
-        try:
-            return self.optimizer_records[id(optimizer)]
-        except KeyError:
+        record = self.optimizer_records.get(id(optimizer))
+        if record is not None and record.optimizer_or_none() is optimizer:
+            return record
+        name = f"optimizer {type(optimizer).__name__} at {id(optimizer):#x}"
+        earlier = _retired_optimizers.get(optimizer)
+        if earlier is not None:
             raise RuntimeError(
-                f"optimizer {type(optimizer).__name__} at {id(optimizer):#x} was not passed to "
-                "amp_patch.initialize(); pass every optimizer that scale_loss will see"
-            ) from None
+                f"{name} was initialized by an earlier amp_patch session that has been "
+                "deinitialized; pass it to initialize() again, with its model, to use it here "
+                f"(it belonged to session #{earlier}; the live one is #{self.serial})"
+            )
+        raise RuntimeError(
+            f"{name} was not passed to amp_patch.initialize(); pass every optimizer that "
+            "scale_loss will see"
+        )
 
     def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master that an optimizer of this session keeps for ``param``, if any.
@@ -116,6 +133,8 @@ class AmpSession:
         if self.closed:
             return
         self.closed = True
+        for optimizer in self.optimizers:
+            _retired_optimizers[optimizer] = self.serial
         failures = []
         while self._undo:
             what, undo, on_abort = self._undo.pop()
@@ -133,6 +152,10 @@ class AmpSession:
 
 
 _current: AmpSession | None = None
+_serials = itertools.count(1)
+#: Optimizers of closed sessions and the session's serial, to word the error when a script
+#: goes on using one (weak keys: nothing is kept alive).
+_retired_optimizers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def current() -> AmpSession | None:

@@ -228,3 +228,19 @@ def test_optimizer_that_writes_the_model_itself_gets_the_pairs(monkeypatch):
     assert [s for _, s in opt.pairs] == list(amp.master_params(opt))
     amp.deinitialize()
     assert opt.pairs == []
+
+
+@pytest.mark.parametrize("first, second", [("O2", "O0"), ("O3", "O0"), ("O0", "O3")])
+def test_reused_optimizer_state_follows_the_params_new_dtype(first, second):
+    """Found by the stress test: a second session casts the model, and the state an earlier
+    session left behind must follow, as Apex's state-dict round trip made it."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level=first, verbosity=0)
+    train(model, opt, 2)
+    amp.deinitialize()
+    amp.initialize(model, opt, opt_level=second, verbosity=0)
+    losses = train(model, opt, 2, start=2)
+    assert all(v.dtype == p.dtype for p in amp.master_params(opt)
+               for k, v in opt.state[p].items() if k != "step")
+    assert all(loss == loss for loss in losses)

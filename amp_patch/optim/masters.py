@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from amp_patch import ops
 from amp_patch.scaler import group_by_device_and_dtype
 
-__all__ = ["MasterWeights", "master_params", "HALF_DTYPES"]
+__all__ = ["MasterWeights", "master_params", "match_state_to_params", "HALF_DTYPES"]
 
 #: Parameter dtypes that get an fp32 master.
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -211,6 +211,27 @@ class MasterWeights:
         self._master_of.clear()
         self._grad_buffers.clear()
         self._written_version.clear()
+
+
+def match_state_to_params(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:
+    """Cast the optimizer state of ``params`` to their dtypes, as ``Optimizer.load_state_dict`` would.
+
+    A model cast by initialize (or one that a previous session left half)
+    would otherwise meet state made for its old dtype, which torch's
+    optimizers reject. Each changed entry is a new dict; the old one is left
+    as it was.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the optimizer.
+        params (iterable of Tensor): params it steps directly.
+    """
+    state = optimizer.state
+    for p in params:
+        entry = state.get(p) if p in state else None
+        if entry and any(isinstance(v, Tensor) and k != "step" and v.is_floating_point()
+                         and (v.dtype != p.dtype or v.device != p.device)
+                         for k, v in entry.items()):
+            state[p] = {k: _state_to(v, p.dtype, p.device, k) for k, v in entry.items()}
 
 
 def _state_to(value: Any, dtype: torch.dtype, device: torch.device, key: str) -> Any:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from amp_patch.optim.checkpoints import install_optimizer_hooks
-from amp_patch.optim.masters import MasterWeights
+from amp_patch.optim.masters import MasterWeights, match_state_to_params
 from amp_patch.optim.stepping import PatchedMethods
 
 __all__ = ["OptimizerRecord", "process"]
@@ -181,6 +181,9 @@ class OptimizerRecord:
                 self.masters.attach(group, opt.state)
             self._hook_handles += install_optimizer_hooks(opt, self.masters,
                                                           self.sync_masters_from_model)
+        # State made before a cast (or by an earlier session) follows its param's dtype.
+        match_state_to_params(opt, (p for p in self.stepped_params()
+                                    if not self.masters.is_master(p)))
         self._methods.install()
 
     def restore(self) -> None:
