@@ -1,4 +1,8 @@
-"""The one piece of global state: the live :class:`AmpSession`, if any."""
+"""The one piece of global state: the live :class:`AmpSession`, if any.
+
+Beside it, a weak table remembers which optimizers closed sessions had, only to
+word the error when a script goes on using one.
+"""
 
 from __future__ import annotations
 
