@@ -12,10 +12,17 @@ import pytest
 import torch
 
 import amp_patch as amp
-from training_utils import assert_identical, conv_batch, convnet, mlp, mlp_batch, snapshot, xent
+from training_utils import (assert_identical, conv_batch, convnet, mlp, mlp_batch, single_thread,
+                            snapshot, xent)
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
 
 
 def _by_hand_to_none(model, opt):
@@ -39,8 +46,8 @@ CLEARERS = {
 }
 
 
-def _train(level, num_losses, loss_scale, accumulate, clear, steps=STEPS):
-    model = convnet()
+def _train(level, num_losses, loss_scale, accumulate, clear, device="cpu", steps=STEPS):
+    model = convnet().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     amp.initialize(model, opt, opt_level=level, num_losses=num_losses, loss_scale=loss_scale,
                    verbosity=0)
@@ -49,7 +56,8 @@ def _train(level, num_losses, loss_scale, accumulate, clear, steps=STEPS):
         clear(model, opt)
         for m in range(micro):
             x, y = conv_batch(step * micro + m)
-            out = model(x)
+            out = model(x.to(device))
+            y = y.to(device)
             losses = [xent(out, y), out.float().pow(2).mean()][:num_losses]
             for loss_id, loss in enumerate(losses):
                 last = loss_id == num_losses - 1
@@ -69,12 +77,13 @@ def _train(level, num_losses, loss_scale, accumulate, clear, steps=STEPS):
 @pytest.mark.parametrize("num_losses", [1, 2])
 @pytest.mark.parametrize("level", LEVELS)
 def test_training_identical_whichever_way_grads_are_cleared(level, num_losses, loss_scale,
-                                                             accumulate):
-    ref = _train(level, num_losses, loss_scale, accumulate, CLEARERS["optimizer"])
+                                                             accumulate, device):
+    ref = _train(level, num_losses, loss_scale, accumulate, CLEARERS["optimizer"], device)
     for name, clear in CLEARERS.items():
         if name != "optimizer":
             try:
-                assert_identical(ref, _train(level, num_losses, loss_scale, accumulate, clear))
+                assert_identical(ref, _train(level, num_losses, loss_scale, accumulate, clear,
+                                             device))
             except AssertionError as exc:
                 raise AssertionError(f"clearing by {name}: {exc}") from None
 

@@ -52,15 +52,15 @@ class MyModel(nn.Module):
 
 
 @pytest.mark.parametrize("level", LEVELS)
-def test_apex_larc_mixed_precision(level):
-    """Apex's own LARC test, on the CPU."""
-    model = MyModel(1)
+def test_apex_larc_mixed_precision(level, device):
+    """Apex's own LARC test (tests/L0/run_amp/test_larc.py)."""
+    model = MyModel(1).to(device)
     optimizer = LARC(torch.optim.SGD([{"params": model.parameters(), "lr": 0.25}], momentum=0.125))
     model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
     assert isinstance(optimizer, LARC)
     before = model.weight0.detach().clone()
     optimizer.zero_grad()
-    loss = model(torch.ones(2))
+    loss = model(torch.ones(2, device=device))
     with amp.scale_loss(loss, optimizer) as scaled_loss:
         scaled_loss.backward()
     optimizer.step()

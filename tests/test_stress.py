@@ -17,7 +17,7 @@ import torch
 
 import amp_patch as amp
 from amp_patch import session as amp_session
-from training_utils import mlp, mlp_batch, xent
+from training_utils import mlp, mlp_batch, single_thread, xent
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 CLEARERS = ["optimizer", "model", "none_by_hand"]
@@ -123,11 +123,8 @@ def _legacy_cycle(rng: random.Random, original_mm) -> None:
 
 @pytest.fixture
 def one_thread():
-    """Tiny ops: one intra-op thread is several times faster than two on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_thread():
+        yield
 
 
 def test_hundreds_of_cycles_in_one_process(one_thread):
