@@ -8,9 +8,11 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC"]
+__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS"]
 
 DYNAMIC = "dynamic"
+#: Consecutive skipped steps a static loss scale allows before it is an error.
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 50
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -46,6 +48,11 @@ class Properties:
         verbosity (int): 0 silent, 1 the chosen properties, 2 debug.
         min_loss_scale (float or None): floor of the dynamic scale.
         max_loss_scale (float): ceiling of the dynamic scale.
+        max_consecutive_skips (int): a static loss scale cannot shrink, so
+            non-finite gradients at every step would skip steps forever; after
+            this many consecutive skips of one loss scaler, the next overflow
+            raises :class:`~amp_patch.scaler.LossScaleCollapseError`. (A dynamic
+            scale is bounded by ``min_loss_scale`` instead.) Default: 50.
         enabled (bool): False makes amp a no-op.
     """
 
@@ -61,6 +68,7 @@ class Properties:
     verbosity: int = 1
     min_loss_scale: float | None = None
     max_loss_scale: float = 2.0**24
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -118,6 +126,11 @@ class Properties:
             raise ValueError(f"master_weights must be True, False or None, got {self.master_weights!r}")
         if not isinstance(self.num_losses, int) or self.num_losses < 1:
             raise ValueError(f"num_losses must be a positive int, got {self.num_losses!r}")
+        if not (isinstance(self.max_consecutive_skips, int) and not isinstance(
+                self.max_consecutive_skips, bool) and self.max_consecutive_skips >= 1):
+            raise ValueError(
+                f"max_consecutive_skips must be a positive int, got {self.max_consecutive_skips!r}"
+            )
         if not (isinstance(self.max_loss_scale, (int, float)) and self.max_loss_scale > 0):
             raise ValueError(f"max_loss_scale must be a positive number, got {self.max_loss_scale!r}")
         set_(self, "max_loss_scale", float(self.max_loss_scale))
