@@ -79,19 +79,27 @@ def _check_pairs(src: Sequence[Tensor], dst: Sequence[Tensor], op: str) -> None:
             )
 
 
+def _as_scalar(inv_scale: Tensor) -> Tensor:
+    # 0-dim, so that a product with a 0-dim tensor (a scalar parameter's grad)
+    # keeps the tensor's shape instead of broadcasting it to [1].
+    return inv_scale.reshape(())
+
+
 def _unscale_ref(tensors: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    inv = _as_scalar(inv_scale)
     for t in tensors:
         _flag_nonfinite(found_inf, t)
-        t.copy_(t.float() * inv_scale)
+        t.copy_(t.float() * inv)
 
 
 def _unscale_copy_ref(
     src: list[Tensor], dst: list[Tensor], found_inf: Tensor, inv_scale: Tensor
 ) -> None:
     _check_pairs(src, dst, "multi_tensor_unscale_copy_")
+    inv = _as_scalar(inv_scale)
     for s, d in zip(src, dst):
         _flag_nonfinite(found_inf, s)
-        d.copy_(s.float() * inv_scale)
+        d.copy_(s.float() * inv)
 
 
 def _axpby_ref(

@@ -35,7 +35,7 @@ def _make(shape, dtype, device, layout="contiguous", gen=None):
     ``channels_last`` is dense but not contiguous.
     """
     def rand(*s):
-        return (torch.randn(*s, generator=gen) * 100).to(dtype).to(device)
+        return (torch.randn(s, generator=gen) * 100).to(dtype).to(device)
 
     if layout == "contiguous":
         return rand(*shape)
@@ -63,6 +63,9 @@ CASES = {
     "many": [((1 + (37 * i) % 700,), [F32, BF16][i % 2], "contiguous") for i in range(230)],
     "large": [((3,), F32, "contiguous"), ((150_001,), F32, "contiguous"), ((70_003,), BF16, "contiguous"),
               ((5,), BF16, "contiguous")],
+    # 0-dim tensors: a scalar parameter (a learned temperature, say) has a 0-dim grad.
+    "scalars": [((), F32, "contiguous"), ((), BF16, "contiguous"), ((5,), F32, "contiguous"),
+                ((), F16, "contiguous")],
 }
 
 
