@@ -79,6 +79,58 @@ def _check_pairs(src: Sequence[Tensor], dst: Sequence[Tensor], op: str) -> None:
             )
 
 
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    """``[first, last]`` byte addresses spanned by ``t``'s elements (strides are never negative)."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    first = t.data_ptr()
+    return first, first + extent * t.element_size()
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.element_size() == b.element_size())
+
+
+def _check_no_overlap(op: str, out_name: str, out: Sequence[Tensor], in_name: str = "",
+                      inputs: Sequence[Tensor] = ()) -> None:
+    """Raise if a written tensor shares memory with any other tensor of the call.
+
+    The kernels process tensors in an unspecified order (CUDA: in parallel), so
+    such a call has no defined result. Only ``out[i]`` being the very same view
+    as ``inputs[i]`` is allowed: each element is then read before it is written,
+    by the same thread. Inputs may overlap each other. Only address ranges are
+    compared (sorted, then swept): no per-element work, but two interleaved
+    strided views of one buffer are rejected too. The C++ kernels apply the same
+    rule (csrc/overlap.cpp).
+    """
+    # (device, first byte, end byte, written, name), empty tensors left out.
+    extents = []
+    for i, t in enumerate(out):
+        if t.numel():
+            extents.append((str(t.device), *_byte_range(t), True, f"{out_name}[{i}]"))
+    for i, t in enumerate(inputs):
+        if t.numel() and not (i < len(out) and _same_view(t, out[i])):
+            extents.append((str(t.device), *_byte_range(t), False, f"{in_name}[{i}]"))
+    extents.sort(key=lambda e: (e[0], e[1]))
+    # The extent reaching furthest so far, among all and among the written ones.
+    far_any = far_written = None
+    for e in extents:
+        device, first, end, written, name = e
+        reach = far_any if written else far_written
+        if reach is not None and reach[0] == device and first < reach[2]:
+            rule = (f"only {out_name}[i] may be the very same tensor as {in_name}[i]" if in_name
+                    else "no tensor may appear twice")
+            raise RuntimeError(
+                f"amp_patch::{op}: {reach[4]} and {name} overlap in memory, so the result would "
+                f"depend on the order in which the kernel processes them ({rule}; a written tensor "
+                f"shares memory with no other)"
+            )
+        if far_any is None or far_any[0] != device or end > far_any[2]:
+            far_any = e
+        if written and (far_written is None or far_written[0] != device or end > far_written[2]):
+            far_written = e
+
+
 def _as_scalar(inv_scale: Tensor) -> Tensor:
     # 0-dim, so that a product with a 0-dim tensor (a scalar parameter's grad)
     # keeps the tensor's shape instead of broadcasting it to [1].
@@ -86,6 +138,7 @@ def _as_scalar(inv_scale: Tensor) -> Tensor:
 
 
 def _unscale_ref(tensors: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    _check_no_overlap("multi_tensor_unscale_", "tensors", tensors)
     inv = _as_scalar(inv_scale)
     for t in tensors:
         _flag_nonfinite(found_inf, t)
@@ -96,6 +149,7 @@ def _unscale_copy_ref(
     src: list[Tensor], dst: list[Tensor], found_inf: Tensor, inv_scale: Tensor
 ) -> None:
     _check_pairs(src, dst, "multi_tensor_unscale_copy_")
+    _check_no_overlap("multi_tensor_unscale_copy_", "dst", dst, "src", src)
     inv = _as_scalar(inv_scale)
     for s, d in zip(src, dst):
         _flag_nonfinite(found_inf, s)
@@ -106,6 +160,7 @@ def _axpby_ref(
     x: list[Tensor], y: list[Tensor], found_inf: Tensor, a: float, b: float
 ) -> None:
     _check_pairs(x, y, "multi_tensor_axpby_")
+    _check_no_overlap("multi_tensor_axpby_", "y", y, "x", x)
     for xi, yi in zip(x, y):
         _flag_nonfinite(found_inf, xi)
         yi.copy_(a * xi.float() + b * yi.float())
@@ -127,6 +182,7 @@ def _l2norm_ref(x: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
 
 def _copy_ref(src: list[Tensor], dst: list[Tensor]) -> None:
     _check_pairs(src, dst, "multi_tensor_copy_")
+    _check_no_overlap("multi_tensor_copy_", "dst", dst, "src", src)
     for s, d in zip(src, dst):
         d.copy_(s)
 

@@ -457,3 +457,88 @@ def test_unscale_copy_into_misaligned_contiguous_views(device, offset):
         outside[start:start + n] = False
         start += n + 5
     assert not storage[outside].any(), "a store reached outside its tensor"
+
+
+# ------------------------------------------------------------ aliasing lists
+
+# DEVICES[1] carries the skip-without-CUDA mark.
+BACKENDS = ["reference", "native-cpu", pytest.param("native-cuda", marks=DEVICES[1].marks)]
+
+_ALIAS_MSG = "overlap in memory"
+
+
+def _call(backend, name, *args):
+    """Call op ``name`` through the reference body or through the dispatcher."""
+    if backend == "reference":
+        return getattr(ops, {"multi_tensor_unscale_": "_unscale_ref",
+                             "multi_tensor_unscale_copy_": "_unscale_copy_ref",
+                             "multi_tensor_axpby_": "_axpby_ref",
+                             "multi_tensor_copy_": "_copy_ref"}[name])(*args)
+    return getattr(ops, name)(*args)
+
+
+def _backend_device(backend):
+    if backend == "native-cpu" and not ops.has_native_kernel("cpu"):
+        pytest.skip("extension not built")
+    return "cuda" if backend == "native-cuda" else "cpu"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_aliasing_lists_raise(backend):
+    device = _backend_device(backend)
+    buf = torch.randn(64, device=device)
+    a, b, c = buf[:8], buf[8:16], buf[16:24]
+    g = torch.randn(10, device=device)
+    flag, inv = _flag(device), _scale(device)
+    bad = [
+        # The same grad twice would be unscaled twice.
+        ("multi_tensor_unscale_", ([g, g], flag, inv)),
+        ("multi_tensor_unscale_", ([buf[:10], buf[5:15]], flag, inv)),
+        # dst[0] is src[1]: src[1] is read before or after it is overwritten.
+        ("multi_tensor_unscale_copy_", ([a, b], [b, c], flag, inv)),
+        ("multi_tensor_unscale_copy_", ([a, b], [buf[4:12], c], flag, inv)),
+        # Two writes into one place.
+        ("multi_tensor_copy_", ([a, b], [c, c])),
+        ("multi_tensor_copy_", ([a, b], [buf[24:32], buf[30:38]])),
+        # A dst that overlaps its own src but is not the very same view.
+        ("multi_tensor_copy_", ([a], [buf[1:9]])),
+        # y[0] overlaps x[1].
+        ("multi_tensor_axpby_", ([a, buf[20:28]], [buf[16:24], buf[40:48]], flag, 0.5, 1.0)),
+        # An fp32 dst laid over the bytes of a bf16 src from the same address.
+        ("multi_tensor_unscale_copy_", ([buf.view(torch.bfloat16)[:8]], [buf[:8]], flag, inv)),
+    ]
+    for name, args in bad:
+        before = buf.clone()
+        with pytest.raises(RuntimeError, match=f"amp_patch::{name}: .*{_ALIAS_MSG}"):
+            _call(backend, name, *args)
+        assert torch.equal(buf, before), f"{name} wrote before raising"
+    assert flag.item() == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disjoint_and_identical_lists_are_accepted(backend):
+    """Adjacent slices of one buffer, a source read twice, and dst[i] that *is* src[i] are fine."""
+    device = _backend_device(backend)
+    inv = _scale(device)
+    buf = torch.randn(64, device=device)
+    slices = [buf[:10], buf[10:20], buf[20:20], buf[20:21]]
+    want = [t.clone() for t in slices]
+    _call(backend, "multi_tensor_unscale_", slices, _flag(device), inv)
+    ops._unscale_ref(want, _flag(device), inv)
+    assert_bitwise(slices, want)
+
+    g = [torch.randn(7, device=device), torch.randn(3, device=device).bfloat16()]
+    want = [t.clone() for t in g]
+    _call(backend, "multi_tensor_unscale_copy_", g, g, _flag(device), inv)  # Apex's O1 [grads, grads]
+    ops._unscale_ref(want, _flag(device), inv)
+    assert_bitwise(g, want)
+
+    w = torch.randn(5, device=device)
+    out = [torch.empty(5, device=device), torch.empty(5, device=device, dtype=BF16)]
+    _call(backend, "multi_tensor_copy_", [w, w], out)
+    assert_bitwise(out, [w.clone(), w.bfloat16()])
+
+    y = [torch.randn(9, device=device)]
+    want = [2.0 * y[0] + 0.5 * y[0]]
+    _call(backend, "multi_tensor_axpby_", y, y, _flag(device), 2.0, 0.5)
+    assert_bitwise(y, want)

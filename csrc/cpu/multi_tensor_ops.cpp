@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu/kernel_table.h"
+#include "overlap.h"
 
 // With torch's OpenMP backend, at::parallel_for is compiled into this file; built
 // without -fopenmp it quietly runs serially (setup.py passes the flag on Linux).
@@ -287,6 +288,11 @@ void scale_lists(const char* op, at::TensorList src, at::TensorList dst, bool in
   float* flag = flag_ptr(found_inf, op);
   const float s = read_scalar(inv_scale, op, "inv_scale");
   Plan plan(op, src, dst, in_place);
+  if (in_place) {
+    check_no_overlap(op, "tensors", src);
+  } else {
+    check_no_overlap(op, "dst", dst, "src", src);
+  }
   const KernelTable& k = kernels();
   const auto& jobs = plan.jobs();
   const bool bad = plan.run([&](int64_t, const Span& sp) {
@@ -313,6 +319,7 @@ void axpby_cpu(at::TensorList x, at::TensorList y, const at::Tensor& found_inf, 
   constexpr const char* op = "multi_tensor_axpby_";
   float* flag = flag_ptr(found_inf, op);
   Plan plan(op, x, y, /*in_place=*/false);
+  check_no_overlap(op, "y", y, "x", x);
   const KernelTable& k = kernels();
   const auto& jobs = plan.jobs();
   // The reference multiplies fp32 tensors by Python floats, which torch rounds to fp32 first.
@@ -333,6 +340,7 @@ void axpby_cpu(at::TensorList x, at::TensorList y, const at::Tensor& found_inf, 
 void copy_cpu(at::TensorList src, at::TensorList dst) {
   constexpr const char* op = "multi_tensor_copy_";
   Plan plan(op, src, dst, /*in_place=*/false);
+  check_no_overlap(op, "dst", dst, "src", src);
   const KernelTable& k = kernels();
   const auto& jobs = plan.jobs();
   plan.run([&](int64_t, const Span& sp) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "multi_tensor_apply.cuh"
+#include "overlap.h"
 #include "tensor_lists.cuh"
 
 namespace amp_patch::cuda {
@@ -41,6 +42,7 @@ void multi_tensor_axpby_cuda(
   check_found_inf(op, found_inf);
   check_list(op, "x", x, found_inf.device(), "found_inf");
   check_list(op, "y", y, found_inf.device(), "found_inf");
+  check_no_overlap(op, "y", y, "x", x);
   const c10::cuda::CUDAGuard guard(found_inf.device());
 
   Plan<2> plan;

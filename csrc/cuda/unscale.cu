@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "multi_tensor_apply.cuh"
+#include "overlap.h"
 #include "tensor_lists.cuh"
 
 namespace amp_patch::cuda {
@@ -52,6 +53,7 @@ void multi_tensor_unscale_cuda(
   check_found_inf(op, found_inf);
   check_inv_scale(op, inv_scale, found_inf.device());
   check_list(op, "tensors", tensors, found_inf.device(), "found_inf");
+  check_no_overlap(op, "tensors", tensors);
   const c10::cuda::CUDAGuard guard(found_inf.device());
 
   Plan<1> plan;
@@ -72,6 +74,7 @@ void multi_tensor_unscale_copy_cuda(
   check_inv_scale(op, inv_scale, found_inf.device());
   check_list(op, "src", src, found_inf.device(), "found_inf");
   check_list(op, "dst", dst, found_inf.device(), "found_inf");
+  check_no_overlap(op, "dst", dst, "src", src);
   const c10::cuda::CUDAGuard guard(found_inf.device());
 
   Plan<2> plan;
