@@ -7,11 +7,14 @@ C++ kernels for ``CPU`` (and ``CUDA`` when built). Those take precedence over
 the reference, so one name, ``torch.ops.amp_patch.<op>``, routes to the
 fastest kernel available for the tensors' device.
 
-All ops take lists of tensors that may mix dtypes (fp32, fp16, bf16) and
-sizes. Arithmetic is done in fp32 ("opmath") and rounded once to the output
-dtype. ``found_inf`` is a one-element float tensor that an op sets to 1.0 when
-it sees an inf or NaN in the checked input. An op never clears it. Scale
-arguments are one-element tensors on the device, so no op syncs with the host.
+All ops take lists of tensors that may mix dtypes (fp32, fp16, bf16, fp64) and
+sizes. Arithmetic is done in fp32 ("opmath"), or in fp64 for a tensor (or a
+pair) with an fp64 side, and rounded once to the output dtype. ``found_inf`` is
+a one-element float tensor that an op sets to 1.0 when it sees an inf or NaN in
+the checked input. An op never clears it. Scale arguments are one-element
+tensors on the device, so no op syncs with the host. A tensor that an op writes
+may share memory with no other tensor of the call, except that ``dst[i]`` may be
+``src[i]`` itself.
 
 .. note::
     Every tensor in one call must be on the same device as ``found_inf``.
@@ -137,12 +140,17 @@ def _as_scalar(inv_scale: Tensor) -> Tensor:
     return inv_scale.reshape(())
 
 
+def _opmath(*tensors: Tensor) -> torch.dtype:
+    """fp64 when any side is fp64, else fp32: the precision every op computes in."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def _unscale_ref(tensors: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     _check_no_overlap("multi_tensor_unscale_", "tensors", tensors)
     inv = _as_scalar(inv_scale)
     for t in tensors:
         _flag_nonfinite(found_inf, t)
-        t.copy_(t.float() * inv)
+        t.copy_(t.to(_opmath(t)) * inv)
 
 
 def _unscale_copy_ref(
@@ -153,7 +161,7 @@ def _unscale_copy_ref(
     inv = _as_scalar(inv_scale)
     for s, d in zip(src, dst):
         _flag_nonfinite(found_inf, s)
-        d.copy_(s.float() * inv)
+        d.copy_(s.to(_opmath(s, d)) * inv)
 
 
 def _axpby_ref(
@@ -163,21 +171,29 @@ def _axpby_ref(
     _check_no_overlap("multi_tensor_axpby_", "y", y, "x", x)
     for xi, yi in zip(x, y):
         _flag_nonfinite(found_inf, xi)
-        yi.copy_(a * xi.float() + b * yi.float())
+        m = _opmath(xi, yi)
+        yi.copy_(a * xi.to(m) + b * yi.to(m))
+
+
+def _norms_ref(x: list[Tensor], per_tensor: bool, inv_scale: Tensor | None,
+               device: torch.device) -> tuple[Tensor, Tensor]:
+    # Each tensor's norm in its opmath, of the values times inv_scale (each
+    # product rounded), then all of them combined in fp64.
+    inv = None if inv_scale is None else _as_scalar(inv_scale)
+    norms = []
+    for t in x:
+        v = t.to(_opmath(t))
+        if inv is not None:
+            v = v * inv
+        norms.append(torch.linalg.vector_norm(v).double() if t.numel()
+                     else torch.zeros((), dtype=torch.float64, device=device))
+    stacked = torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=device)
+    total = torch.linalg.vector_norm(stacked).float()
+    return total, stacked.float() if per_tensor else stacked.new_empty(0, dtype=torch.float32)
 
 
 def _l2norm_ref(x: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
-    if not x:
-        return torch.zeros((), dtype=torch.float32), torch.zeros(0, dtype=torch.float32)
-    device = x[0].device
-    norms = torch.stack(
-        [torch.linalg.vector_norm(t.float()) if t.numel() else torch.zeros((), device=device)
-         for t in x]
-    )
-    total = torch.linalg.vector_norm(norms)
-    if not per_tensor:
-        norms = norms.new_empty(0)
-    return total, norms
+    return _norms_ref(x, per_tensor, None, x[0].device if x else torch.device("cpu"))
 
 
 def _copy_ref(src: list[Tensor], dst: list[Tensor]) -> None:
@@ -187,31 +203,31 @@ def _copy_ref(src: list[Tensor], dst: list[Tensor]) -> None:
         d.copy_(s)
 
 
-def _l2norm_fake(x: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
-    device = x[0].device if x else torch.device("cpu")
+def _norms_fake(x: list[Tensor], per_tensor: bool, device: torch.device) -> tuple[Tensor, Tensor]:
     total = torch.empty((), dtype=torch.float32, device=device)
     norms = torch.empty(len(x) if per_tensor else 0, dtype=torch.float32, device=device)
     return total, norms
+
+
+def _l2norm_fake(x: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
+    return _norms_fake(x, per_tensor, x[0].device if x else torch.device("cpu"))
 
 
 def _no_output_fake(*args, **kwargs) -> None:
     return None
 
 
+# name: (reference body, fake kernel)
 _REFERENCE = {
-    "multi_tensor_unscale_": _unscale_ref,
-    "multi_tensor_unscale_copy_": _unscale_copy_ref,
-    "multi_tensor_axpby_": _axpby_ref,
-    "multi_tensor_l2norm": _l2norm_ref,
-    "multi_tensor_copy_": _copy_ref,
+    "multi_tensor_unscale_": (_unscale_ref, _no_output_fake),
+    "multi_tensor_unscale_copy_": (_unscale_copy_ref, _no_output_fake),
+    "multi_tensor_axpby_": (_axpby_ref, _no_output_fake),
+    "multi_tensor_l2norm": (_l2norm_ref, _l2norm_fake),
+    "multi_tensor_copy_": (_copy_ref, _no_output_fake),
 }
-for _name, _fn in _REFERENCE.items():
+for _name, (_fn, _fake) in _REFERENCE.items():
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
-    torch.library.register_fake(
-        f"{NAMESPACE}::{_name}",
-        _l2norm_fake if _name == "multi_tensor_l2norm" else _no_output_fake,
-        lib=_lib,
-    )
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_lib)
 
 
 def _load_native() -> bool:
@@ -333,3 +349,4 @@ def multi_tensor_copy_(src: list[Tensor], dst: list[Tensor]) -> None:
         dst (list of Tensor): destinations of the same shapes, any floating dtype.
     """
     _ops.multi_tensor_copy_(src, dst)
+

@@ -20,9 +20,7 @@ from hypothesis import strategies as st
 
 from amp_patch import ops
 
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-FLOAT_DTYPES = [F32, F16, BF16]
-DTYPE_IDS = {F32: "fp32", F16: "fp16", BF16: "bf16"}
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 
 # Sizes around the vector widths (8/16 floats, 16/32 halves) and their blocks.
 ODD_SIZES = [1, 7, 15, 16, 17, 31, 33, 63, 65, 1023, 4099]
@@ -66,6 +64,10 @@ CASES = {
     # 0-dim tensors: a scalar parameter (a learned temperature, say) has a 0-dim grad.
     "scalars": [((), F32, "contiguous"), ((), BF16, "contiguous"), ((5,), F32, "contiguous"),
                 ((), F16, "contiguous")],
+    # fp64 grads (a parameter kept in double) among the usual dtypes; opmath is fp64 for them.
+    "fp64": [((n,), F64, "contiguous") for n in ODD_SIZES[:7]] + [((), F64, "contiguous"),
+                                                                 ((9, 5), F64, "transposed")],
+    "mixed_fp64": [((n,), dt, "contiguous") for n, dt in zip(ODD_SIZES, [F64, F32, BF16, F64, F16] * 3)],
 }
 
 
@@ -93,7 +95,7 @@ def _clone(tensors):
 
 
 def _int_view(t):
-    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
+    return t.view({F32: torch.int32, F16: torch.int16, BF16: torch.int16, F64: torch.int64}[t.dtype])
 
 
 def assert_bitwise(actual, expected):
@@ -132,7 +134,7 @@ def test_unscale_matches_reference(device, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dst_dtype", [F32, BF16, None], ids=["to_fp32", "to_bf16", "same"])
+@pytest.mark.parametrize("dst_dtype", [F32, BF16, F64, None], ids=["to_fp32", "to_bf16", "to_fp64", "same"])
 def test_unscale_copy_matches_reference(device, case, dst_dtype):
     src = _tensors(case, device)
     got = _like(src, dst_dtype)
@@ -161,7 +163,7 @@ def test_axpby_matches_reference(device, case, y_dtype, a, b):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dst_dtype", [F32, BF16, F16], ids=["to_fp32", "to_bf16", "to_fp16"])
+@pytest.mark.parametrize("dst_dtype", [F32, BF16, F16, F64], ids=["to_fp32", "to_bf16", "to_fp16", "to_fp64"])
 def test_copy_matches_reference(device, case, dst_dtype):
     src = _tensors(case, device)
     got = _like(src, dst_dtype)
@@ -222,7 +224,7 @@ def _poison(tensors, value, which, where):
 def _nonfinite_case(device):
     # Mixed dtypes and sizes that straddle vector blocks and CPU tasks.
     gen = torch.Generator().manual_seed(3)
-    specs = [(33, F32), (40_000, BF16), (17, F16), (70_001, F32), (1023, BF16)]
+    specs = [(33, F32), (40_000, BF16), (17, F16), (70_001, F32), (1023, BF16), (301, F64)]
     return [_make((n,), dt, device, gen=gen) for n, dt in specs]
 
 
@@ -279,12 +281,76 @@ def test_found_inf_is_never_cleared(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_l2norm_propagates_nonfinite(device):
     x = _nonfinite_case(device)
-    _poison(x, float("inf"), "middle", "last")
+    i = _poison(x, float("inf"), "middle", "last")
     total, norms = ops.multi_tensor_l2norm(x, True)
-    assert total.item() == float("inf") and norms[2].item() == float("inf")
+    assert total.item() == float("inf") and norms[i].item() == float("inf")
     _poison(x, float("nan"), "first", "first")
     total, norms = ops.multi_tensor_l2norm(x, True)
     assert torch.isnan(total).item() and torch.isnan(norms[0]).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp64_is_computed_in_fp64(device):
+    """fp64 values beyond fp32's range are finite, and keep their precision through every op."""
+    x = torch.tensor([1e300, -3e-310, 1.0 + 2.0**-40, 0.1], dtype=F64, device=device)
+    inv = _scale(device, 2.0**-16)
+    found_inf = _flag(device)
+    got = [x.clone()]
+    ops.multi_tensor_unscale_(got, found_inf, inv)
+    assert found_inf.item() == 0.0
+    assert torch.equal(got[0], x * 2.0**-16)
+    y = [torch.full((4,), 1.0 + 2.0**-45, dtype=F64, device=device)]
+    ops.multi_tensor_axpby_([x], y, found_inf, 0.1, 3.0)
+    assert torch.equal(y[0], 0.1 * x + 3.0 * (1.0 + 2.0**-45))
+    total, norms = ops.multi_tensor_l2norm([x[1:]], True)
+    torch.testing.assert_close(total.double(), x[1:].norm(), rtol=1e-6, atol=0)
+
+
+class _ScaledModel(torch.nn.Module):
+    """An fp32 layer with fp64 parameters around it: a 0-dim temperature and a bias."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(6, 4)
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5, dtype=F64))
+        self.bias = torch.nn.Parameter(torch.linspace(-1, 1, 4, dtype=F64))
+
+    def forward(self, x):
+        return ((self.lin(x).double() + self.bias) / self.temperature).pow(2).mean()
+
+
+def _train_fp64(opt_level, loss_scale, steps=3):
+    import amp_patch
+
+    model = _ScaledModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp_patch.initialize(model, opt, opt_level=opt_level, loss_scale=loss_scale, verbosity=0)
+    gen = torch.Generator().manual_seed(5)
+    grads = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 6, generator=gen))
+        with amp_patch.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    scale = amp_patch.state_dict()["loss_scaler0"]["loss_scale"]
+    assert scale == (65536.0 if loss_scale == "dynamic" else loss_scale), "a step was skipped"
+    amp_patch.deinitialize()
+    return [p.detach().clone() for p in model.parameters()], grads
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_fp64_parameter_trains_under_dynamic_scale(opt_level):
+    """Scaling by a power of two is exact, so the dynamic scale changes no bit of an fp64 grad."""
+    params, grads = _train_fp64(opt_level, "dynamic")
+    ref_params, ref_grads = _train_fp64(opt_level, 1.0)
+    assert params[0].dtype == F64 and params[0].dim() == 0  # the temperature
+    for g, r in zip(grads, ref_grads):
+        assert_bitwise(g, r)
+    assert_bitwise(params, ref_params)
+    assert not torch.equal(params[0], torch.tensor(1.5, dtype=F64)), "no step was taken"
 
 
 # ------------------------------------------------------------ errors
@@ -298,11 +364,13 @@ def test_mismatched_lists_raise(device):
         ops.multi_tensor_unscale_copy_(a, [a[0], torch.zeros(5, device=device)], _flag(device), _scale(device))
 
 
-def test_unsupported_dtype_is_named_by_native_kernel():
-    if not ops.has_native_kernel("cpu"):
+@pytest.mark.parametrize("device", DEVICES)
+def test_unsupported_dtype_is_named_by_native_kernel(device):
+    if not ops.has_native_kernel(device):
         pytest.skip("extension not built")
-    with pytest.raises(RuntimeError, match="multi_tensor_unscale_.*Double"):
-        ops.multi_tensor_unscale_([torch.ones(3, dtype=torch.float64)], _flag("cpu"), _scale("cpu"))
+    with pytest.raises(RuntimeError, match="multi_tensor_unscale_.*Int"):
+        ops.multi_tensor_unscale_([torch.ones(3, dtype=torch.int32, device=device)], _flag(device),
+                                  _scale(device))
 
 
 # ------------------------------------------------------------ registration
@@ -375,8 +443,8 @@ def test_every_cpu_isa_matches_reference(capability):
         from amp_patch import _C, ops
         print(_C.cpu_capability())
         gen = torch.Generator().manual_seed(0)
-        dts = [torch.float32, torch.bfloat16, torch.float16]
-        x = [(torch.randn(n, generator=gen) * 100).to(dts[i % 3]) for i, n in enumerate([1, 17, 33, 1023, 40001])]
+        dts = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+        x = [(torch.randn(n, generator=gen) * 100).to(dts[i % 4]) for i, n in enumerate([1, 17, 33, 1023, 40001, 65])]
         x[3][7] = float("inf")
         for dst_dt in dts:
             y = [torch.randn(t.shape, generator=gen).to(dst_dt) for t in x]
@@ -404,7 +472,7 @@ def test_every_cpu_isa_matches_reference(capability):
 
 # ------------------------------------------------------------ property
 
-_DTYPE = st.sampled_from([F32, BF16, F16])
+_DTYPE = st.sampled_from([F32, BF16, F16, F64])
 _TENSOR = st.tuples(st.integers(0, 3000), _DTYPE, st.sampled_from(["contiguous", "sliced"]))
 
 

@@ -72,7 +72,14 @@ const Selected& selected() {
 constexpr int64_t kTaskElems = 32768;
 
 int64_t dt_size(Dt dt) {
-  return dt == kF32 ? 4 : 2;
+  switch (dt) {
+    case kF64:
+      return 8;
+    case kF32:
+      return 4;
+    default:
+      return 2;
+  }
 }
 
 Dt dt_of(const at::Tensor& t, const char* op) {
@@ -83,9 +90,11 @@ Dt dt_of(const at::Tensor& t, const char* op) {
       return kF16;
     case at::kBFloat16:
       return kBF16;
+    case at::kDouble:
+      return kF64;
     default:
       TORCH_CHECK(false, "amp_patch::", op, ": unsupported dtype ", t.scalar_type(),
-                  " (the multi-tensor kernels take float32, float16 and bfloat16)");
+                  " (the multi-tensor kernels take float32, float16, bfloat16 and float64)");
   }
 }
 
@@ -322,14 +331,10 @@ void axpby_cpu(at::TensorList x, at::TensorList y, const at::Tensor& found_inf, 
   check_no_overlap(op, "y", y, "x", x);
   const KernelTable& k = kernels();
   const auto& jobs = plan.jobs();
-  // The reference multiplies fp32 tensors by Python floats, which torch rounds to fp32 first.
-  const float af = static_cast<float>(a);
-  const float bf = static_cast<float>(b);
   const bool bad = plan.run([&](int64_t, const Span& sp) {
     const Job& j = jobs[sp.job];
     return k.axpby[j.in_dt][j.out_dt](offset(j.in, j.in_dt, sp.begin),
-                                      offset(j.out, j.out_dt, sp.begin), sp.end - sp.begin, af,
-                                      bf);
+                                      offset(j.out, j.out_dt, sp.begin), sp.end - sp.begin, a, b);
   });
   if (bad) {
     *flag = 1.0f;
