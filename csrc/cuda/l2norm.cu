@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <climits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "multi_tensor_apply.cuh"
@@ -53,19 +54,26 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
+// fp64 inputs are squared and summed per thread in fp64; the block's sum and
+// everything after it is fp32, as for the other dtypes.
 template <typename T>
 struct SumSquaresOp {
   float* partials;
 
   __device__ void operator()(const Chunk<1>& c) const {
-    float acc = 0.0f;
+    using M = opmath_t<T, T>;
+    M acc = 0;
     for_each_element<Access::kRead>(c.in<T>(), static_cast<T*>(nullptr), c.n, [&](T x) {
-      const float v = to_float(x);
-      acc = fmaf(v, v, acc);
+      const M v = to_opmath<M>(x);
+      if constexpr (std::is_same_v<M, double>) {
+        acc = fma(v, v, acc);
+      } else {
+        acc = fmaf(v, v, acc);
+      }
     });
-    acc = block_sum(acc);
+    const float sum = block_sum(static_cast<float>(acc));
     if (threadIdx.x == 0) {
-      partials[c.index] = acc;
+      partials[c.index] = sum;
     }
   }
 };

@@ -27,6 +27,8 @@ inline int dtype_index(at::ScalarType t) {
       return 1;
     case at::kBFloat16:
       return 2;
+    case at::kDouble:
+      return 3;
     default:
       return -1;
   }
@@ -43,6 +45,9 @@ void visit_dtype(at::ScalarType t, F&& f) {
       break;
     case at::kBFloat16:
       f(TypeTag<c10::BFloat16>{});
+      break;
+    case at::kDouble:
+      f(TypeTag<double>{});
       break;
     default:
       TORCH_INTERNAL_ASSERT(false, "unchecked dtype ", t);
@@ -65,7 +70,7 @@ inline void check_list(
     TORCH_CHECK(
         dtype_index(t.scalar_type()) >= 0,
         "amp_patch::", op, ": ", name, "[", i, "] has dtype ", t.scalar_type(),
-        "; the CUDA kernel takes float32, float16 and bfloat16");
+        "; the CUDA kernel takes float32, float16, bfloat16 and float64");
   }
 }
 
@@ -158,11 +163,11 @@ class Plan {
       if (groups_[g].empty()) {
         continue;
       }
-      visit_dtype(kDtypes[g / 3], [&](auto in) {
+      visit_dtype(kDtypes[g / kNumDtypes], [&](auto in) {
         if constexpr (Depth == 1) {
           launch(in, in, groups_[g]);
         } else {
-          visit_dtype(kDtypes[g % 3], [&](auto out) { launch(in, out, groups_[g]); });
+          visit_dtype(kDtypes[g % kNumDtypes], [&](auto out) { launch(in, out, groups_[g]); });
         }
       });
     }
@@ -172,10 +177,14 @@ class Plan {
   }
 
  private:
-  static constexpr at::ScalarType kDtypes[3] = {at::kFloat, at::kHalf, at::kBFloat16};
+  static constexpr int kNumDtypes = 4;
+  // In dtype_index order.
+  static constexpr at::ScalarType kDtypes[kNumDtypes] = {
+      at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
 
   void push(const at::Tensor& in, const at::Tensor& out, Task<Depth> task) {
-    groups_[dtype_index(in.scalar_type()) * 3 + dtype_index(out.scalar_type())].push_back(task);
+    groups_[dtype_index(in.scalar_type()) * kNumDtypes + dtype_index(out.scalar_type())]
+        .push_back(task);
   }
 
   // Stand-ins live until run() has launched on them; freeing them afterwards
@@ -188,7 +197,7 @@ class Plan {
     }
   }
 
-  std::array<std::vector<Task<Depth>>, 9> groups_;
+  std::array<std::vector<Task<Depth>>, kNumDtypes * kNumDtypes> groups_;
   std::vector<at::Tensor> keep_alive_;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };

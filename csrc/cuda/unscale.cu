@@ -21,13 +21,14 @@ struct UnscaleOp {
   float* found_inf;
 
   __device__ void operator()(const Chunk<Depth>& c) const {
-    const float s = *inv_scale;
+    using M = opmath_t<In, Out>;
+    const M s = static_cast<M>(*inv_scale);
     bool nonfinite = false;
-    // __fmul_rn: one product rounded to fp32, as the reference's `t.float() * inv_scale`.
+    // One product rounded to opmath, as the reference's `t.to(opmath) * inv_scale`.
     for_each_element<Access::kWrite>(c.template in<In>(), c.template out<Out>(), c.n, [&](In x) {
-      const float v = to_float(x);
+      const M v = to_opmath<M>(x);
       nonfinite |= is_nonfinite(v);
-      return from_float<Out>(__fmul_rn(v, s));
+      return from_opmath<Out>(mul_rn(v, s));
     });
     if (nonfinite) {
       *found_inf = 1.0f;  // racing writers all store the same value
