@@ -36,6 +36,8 @@ __all__ = [
     "multi_tensor_axpby_",
     "multi_tensor_l2norm",
     "multi_tensor_copy_",
+    "multi_tensor_unscale_l2norm",
+    "update_scale_hysteresis",
     "has_native_kernel",
     "native_extension_loaded",
 ]
@@ -60,6 +62,15 @@ _SCHEMAS = {
         "multi_tensor_l2norm(Tensor[] x, bool per_tensor) -> (Tensor total, Tensor per_tensor_norms)"
     ),
     "multi_tensor_copy_": "multi_tensor_copy_(Tensor[] src, Tensor(a!)[] dst) -> ()",
+    "multi_tensor_unscale_l2norm": (
+        "multi_tensor_unscale_l2norm(Tensor[] x, Tensor inv_scale, bool per_tensor) "
+        "-> (Tensor total, Tensor per_tensor_norms)"
+    ),
+    "update_scale_hysteresis": (
+        "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, "
+        "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
+        "float backoff_factor, int growth_interval, int hysteresis) -> ()"
+    ),
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
@@ -196,6 +207,37 @@ def _l2norm_ref(x: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
     return _norms_ref(x, per_tensor, None, x[0].device if x else torch.device("cpu"))
 
 
+def _unscale_l2norm_ref(x: list[Tensor], inv_scale: Tensor, per_tensor: bool) -> tuple[Tensor, Tensor]:
+    return _norms_ref(x, per_tensor, inv_scale, inv_scale.device)
+
+
+def _update_scale_hysteresis_ref(current_scale: Tensor, growth_tracker: Tensor,
+                                 hysteresis_tracker: Tensor, found_inf: Tensor,
+                                 growth_factor: float, backoff_factor: float,
+                                 growth_interval: int, hysteresis: int) -> None:
+    # The branches of csrc/scale_update.h as masks, so nothing is read back to
+    # the host. found_inf is compared as there (> 0, != 0, <= 0): a NaN flag
+    # backs off without using up hysteresis, like Apex's kernel.
+    found = found_inf.reshape(())
+    scale = current_scale.reshape(())
+    growth = growth_tracker.reshape(())
+    hyst = hysteresis_tracker.reshape(())
+    inf_seen = found > 0
+    hyst_left = torch.where(inf_seen, hyst - 1, hyst)
+    held = inf_seen & (hyst_left > 0)
+    backoff = (found != 0) & ~held
+    successful = growth + 1
+    grow = (found == 0) & (successful == growth_interval)
+    grown = (scale.double() * growth_factor).float()
+    backed_off = (scale.double() * backoff_factor).float()
+    new_scale = torch.where(backoff, backed_off, torch.where(grow & torch.isfinite(grown), grown, scale))
+    new_growth = torch.where(held | backoff | grow, 0, successful)
+    new_hyst = torch.where(~held & (found <= 0), hysteresis, hyst_left)
+    current_scale.copy_(new_scale)
+    growth_tracker.copy_(new_growth)
+    hysteresis_tracker.copy_(new_hyst)
+
+
 def _copy_ref(src: list[Tensor], dst: list[Tensor]) -> None:
     _check_pairs(src, dst, "multi_tensor_copy_")
     _check_no_overlap("multi_tensor_copy_", "dst", dst, "src", src)
@@ -213,6 +255,10 @@ def _l2norm_fake(x: list[Tensor], per_tensor: bool) -> tuple[Tensor, Tensor]:
     return _norms_fake(x, per_tensor, x[0].device if x else torch.device("cpu"))
 
 
+def _unscale_l2norm_fake(x: list[Tensor], inv_scale: Tensor, per_tensor: bool) -> tuple[Tensor, Tensor]:
+    return _norms_fake(x, per_tensor, inv_scale.device)
+
+
 def _no_output_fake(*args, **kwargs) -> None:
     return None
 
@@ -224,6 +270,8 @@ _REFERENCE = {
     "multi_tensor_axpby_": (_axpby_ref, _no_output_fake),
     "multi_tensor_l2norm": (_l2norm_ref, _l2norm_fake),
     "multi_tensor_copy_": (_copy_ref, _no_output_fake),
+    "multi_tensor_unscale_l2norm": (_unscale_l2norm_ref, _unscale_l2norm_fake),
+    "update_scale_hysteresis": (_update_scale_hysteresis_ref, _no_output_fake),
 }
 for _name, (_fn, _fake) in _REFERENCE.items():
     _lib.impl(_name, _fn, "CompositeExplicitAutograd")
@@ -350,3 +398,62 @@ def multi_tensor_copy_(src: list[Tensor], dst: list[Tensor]) -> None:
     """
     _ops.multi_tensor_copy_(src, dst)
 
+
+def multi_tensor_unscale_l2norm(x: list[Tensor], inv_scale: Tensor,
+                                per_tensor: bool = False) -> tuple[Tensor, Tensor]:
+    """L2 norm of the tensors times ``inv_scale``, without changing them (Apex's ``unscale_l2norm``).
+
+    Each element is multiplied by ``inv_scale`` (rounded to fp32, or fp64 for
+    fp64 tensors) before it is squared, so scaled fp32 grads whose squares
+    would overflow still give a finite norm. The tensors are only read.
+
+    Args:
+        x (list of Tensor): inputs on the device of ``inv_scale``.
+        inv_scale (Tensor): one-element float32 tensor holding ``1 / scale``.
+        per_tensor (bool, optional): also return each tensor's norm. Default: False.
+
+    Returns:
+        tuple of Tensor: ``(total, per_tensor_norms)`` as for :func:`multi_tensor_l2norm`.
+
+    Example::
+
+        >>> total, _ = multi_tensor_unscale_l2norm(grads, torch.full((1,), 1 / 65536.0))
+        >>> torch.nn.utils.clip_grads_with_norm_(params, 1.0, total)  # doctest: +SKIP
+    """
+    return _ops.multi_tensor_unscale_l2norm(x, inv_scale, per_tensor)
+
+
+def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+                            found_inf: Tensor, growth_factor: float, backoff_factor: float,
+                            growth_interval: int, hysteresis: int) -> None:
+    """One step of a dynamic loss scale with hysteresis, on the device (Apex's ``update_scale_hysteresis``).
+
+    When ``found_inf`` is set, the step first uses up one unit of hysteresis:
+    while some is left the scale holds (and the growth count restarts); after
+    that, every such step multiplies the scale by ``backoff_factor``. After
+    ``growth_interval`` clean steps in a row the scale is multiplied by
+    ``growth_factor``, unless that would overflow fp32. Every clean step restores
+    the hysteresis to ``hysteresis``. Products are taken in fp64 and rounded
+    once to fp32. Nothing is read back to the host.
+
+    Args:
+        current_scale (Tensor): one-element float32 scale, updated in place.
+        growth_tracker (Tensor): one-element int32 count of clean steps, updated in place.
+        hysteresis_tracker (Tensor): one-element int32 hysteresis left, updated in place;
+            start it at ``hysteresis``.
+        found_inf (Tensor): one-element float32 flag of this step.
+        growth_factor (float): multiplier after ``growth_interval`` clean steps.
+        backoff_factor (float): multiplier on an inf once the hysteresis is used up.
+        growth_interval (int): clean steps between growths.
+        hysteresis (int): inf steps tolerated before the scale backs off.
+
+    Example::
+
+        >>> scale = torch.full((1,), 65536.0)
+        >>> growth, hyst = torch.zeros(1, dtype=torch.int32), torch.full((1,), 2, dtype=torch.int32)
+        >>> update_scale_hysteresis(scale, growth, hyst, torch.ones(1), 2.0, 0.5, 2000, 2)
+        >>> scale.item(), hyst.item()
+        (65536.0, 1)
+    """
+    _ops.update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                                 growth_factor, backoff_factor, growth_interval, hysteresis)

@@ -193,6 +193,93 @@ def test_l2norm_matches_float64(device, case, per_tensor):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_unscale_l2norm_matches_float64(device, case):
+    """The norm of x * inv_scale, x untouched; like l2norm, checked against fp64 (the order of sums differs)."""
+    x = _tensors(case, device)
+    before = _clone(x)
+    inv = _scale(device, 2.0**-7)
+    total, norms = ops.multi_tensor_unscale_l2norm(x, inv, True)
+    assert_bitwise(x, before)
+    scaled = [t.to(torch.float64 if t.dtype == F64 else F32) * inv.reshape(()) for t in x]
+    exact = torch.stack([t.double().pow(2).sum() for t in scaled]).sqrt()
+    assert total.dtype == norms.dtype == F32 and total.shape == ()
+    torch.testing.assert_close(norms.double().cpu(), exact.cpu(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(total.double().cpu(), exact.norm().cpu(), rtol=1e-5, atol=1e-6)
+    ref_total, ref_norms = ops._unscale_l2norm_ref(x, inv, True)
+    torch.testing.assert_close(norms.cpu(), ref_norms.cpu(), rtol=1e-5, atol=1e-6)
+    total_only, none = ops.multi_tensor_unscale_l2norm(x, inv, False)
+    assert none.numel() == 0 and torch.equal(total_only, total)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unscale_l2norm_unscales_before_squaring(device):
+    """Scaled fp32 grads whose squares overflow fp32 still have a finite unscaled norm."""
+    x = [torch.full((100,), 1e25, device=device), torch.full((3,), 65504.0, device=device, dtype=F16)]
+    total, norms = ops.multi_tensor_unscale_l2norm(x, _scale(device, 2.0**-24), True)
+    assert torch.isfinite(total).item() and not torch.isfinite(x[0].square()).any()
+    torch.testing.assert_close(norms.cpu(), torch.tensor([1e25 * 2.0**-24 * 10, 65504.0 * 2.0**-24 * 3**0.5]))
+    x[0][7] = float("nan")
+    total, norms = ops.multi_tensor_unscale_l2norm(x, _scale(device), True)
+    assert torch.isnan(total).item() and torch.isnan(norms[0]).item()
+
+
+def _hysteresis_state(device, scale, growth, hyst):
+    return (torch.full((1,), scale, dtype=F32, device=device),
+            torch.full((1,), growth, dtype=torch.int32, device=device),
+            torch.full((1,), hyst, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(4))
+def test_update_scale_hysteresis_matches_reference(device, seed):
+    """Bit-identical scale and trackers at every step of a random flag sequence (NaN and negative flags too)."""
+    gen = torch.Generator().manual_seed(seed)
+    growth_factor, backoff_factor = [(2.0, 0.5), (1.0001, 0.3), (3.0, 0.999), (2.0**100, 2.0**-100)][seed]
+    interval, hysteresis = [(3, 2), (1, 1), (5, 4), (2, 3)][seed]
+    flags = [0.0, 1.0, float("nan"), -1.0, float("inf"), 0.5]
+    weights = torch.tensor([8.0, 4.0, 0.5, 0.5, 0.5, 0.5])
+    got = _hysteresis_state(device, 65536.0, 0, hysteresis)
+    want = _hysteresis_state(device, 65536.0, 0, hysteresis)
+    for step in range(300):
+        found = _flag(device, flags[int(torch.multinomial(weights, 1, generator=gen))])
+        ops.update_scale_hysteresis(*got, found, growth_factor, backoff_factor, interval, hysteresis)
+        ops._update_scale_hysteresis_ref(*want, found, growth_factor, backoff_factor, interval, hysteresis)
+        for g, w, name in zip(got, want, ["scale", "growth_tracker", "hysteresis_tracker"]):
+            assert torch.equal(g, w), f"step {step} ({found.item()}): {name} {g.item()} != {w.item()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_scale_hysteresis_rules(device):
+    scale, growth, hyst = _hysteresis_state(device, 1024.0, 0, 2)
+    inf, clean = _flag(device, 1.0), _flag(device, 0.0)
+
+    def step(found):
+        ops.update_scale_hysteresis(scale, growth, hyst, found, 2.0, 0.5, 3, 2)
+        return scale.item(), growth.item(), hyst.item()
+
+    assert step(clean) == (1024.0, 1, 2)
+    assert step(inf) == (1024.0, 0, 1)    # hysteresis absorbs the first inf
+    assert step(inf) == (512.0, 0, 0)     # used up: back off
+    assert step(inf) == (256.0, 0, -1)    # and keep backing off
+    assert step(clean) == (256.0, 1, 2)   # a clean step restores it
+    assert step(clean) == (256.0, 2, 2)
+    assert step(clean) == (512.0, 0, 2)   # growth_interval clean steps: grow
+    scale.fill_(3e38)
+    step(clean), step(clean)
+    assert step(clean) == (torch.tensor(3e38).item(), 0, 2)  # no growth to inf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_scale_hysteresis_checks_its_state(device):
+    scale, growth, hyst = _hysteresis_state(device, 1024.0, 0, 2)
+    with pytest.raises(RuntimeError, match="growth_tracker must be a one-element Int tensor"):
+        ops.update_scale_hysteresis(scale, growth.float(), hyst, _flag(device), 2.0, 0.5, 3, 2)
+    with pytest.raises(RuntimeError, match="current_scale must be a one-element Float tensor"):
+        ops.update_scale_hysteresis(torch.ones(2, device=device), growth, hyst, _flag(device), 2.0, 0.5, 3, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_lists(device):
     found_inf = _flag(device)
     ops.multi_tensor_unscale_([], found_inf, _scale(device))
@@ -384,6 +471,10 @@ def _opcheck_args(name, device):
         "multi_tensor_axpby_": (x, y, _flag(device), 0.5, 2.0),
         "multi_tensor_l2norm": (x, True),
         "multi_tensor_copy_": (x, y),
+        "multi_tensor_unscale_l2norm": (x, _scale(device), True),
+        "update_scale_hysteresis": (_flag(device, 1024.0), torch.zeros(1, dtype=torch.int32, device=device),
+                                    torch.full((1,), 2, dtype=torch.int32, device=device), _flag(device, 1.0),
+                                    2.0, 0.5, 100, 2),
     }[name]
 
 

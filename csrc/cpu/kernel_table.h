@@ -25,14 +25,16 @@ using ScaleFn = bool (*)(const void* in, void* out, int64_t n, float scale);
 using AxpbyFn = bool (*)(const void* x, void* y, int64_t n, double a, double b);
 // out = in, converted.
 using CopyFn = void (*)(const void* in, void* out, int64_t n);
-// Sum of squares of in, accumulated in opmath vector lanes.
-using SumsqFn = double (*)(const void* in, int64_t n);
+// Sum of squares of (in * scale), each product rounded to opmath, accumulated in
+// opmath vector lanes.
+using SumsqFn = double (*)(const void* in, int64_t n, float scale);
 
 struct KernelTable {
   ScaleFn scale[kNumDt][kNumDt];  // [in][out]
   AxpbyFn axpby[kNumDt][kNumDt];  // [x][y]
   CopyFn copy[kNumDt][kNumDt];    // [in][out]
-  SumsqFn sumsq[kNumDt];
+  SumsqFn sumsq[kNumDt];         // scale is 1: l2norm
+  SumsqFn scaled_sumsq[kNumDt];  // unscale_l2norm
 };
 
 // One table per instruction set, each defined in its own translation unit.

@@ -23,6 +23,7 @@
 
 #include "cpu/kernel_table.h"
 #include "overlap.h"
+#include "scale_update.h"
 
 // With torch's OpenMP backend, at::parallel_for is compiled into this file; built
 // without -fopenmp it quietly runs serially (setup.py passes the flag on Linux).
@@ -357,26 +358,27 @@ void copy_cpu(at::TensorList src, at::TensorList dst) {
   plan.finish();
 }
 
-std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList x, bool per_tensor) {
-  constexpr const char* op = "multi_tensor_l2norm";
+// Both norms: the sum of squares of (x * scale) per span, in parallel, then
+// per tensor and in total in double.
+std::tuple<at::Tensor, at::Tensor> norms_cpu(const char* op, at::TensorList x, bool per_tensor,
+                                             const SumsqFn (&sumsq)[kNumDt], float scale) {
   Plan plan(op, x, std::nullopt, /*in_place=*/false);
-  const KernelTable& k = kernels();
   const auto& jobs = plan.jobs();
   const auto& spans = plan.spans();
   std::vector<double> partial(spans.size(), 0.0);
   plan.run([&](int64_t s, const Span& sp) {
     const Job& j = jobs[sp.job];
-    partial[s] = k.sumsq[j.in_dt](offset(j.in, j.in_dt, sp.begin), sp.end - sp.begin);
+    partial[s] = sumsq[j.in_dt](offset(j.in, j.in_dt, sp.begin), sp.end - sp.begin, scale);
     return false;
   });
   // Summed in span order, which depends only on the shapes: the result does not
   // change with the thread count.
-  std::vector<double> sumsq(x.size(), 0.0);
+  std::vector<double> sumsq_of(x.size(), 0.0);
   for (size_t s = 0; s < spans.size(); ++s) {
-    sumsq[spans[s].job] += partial[s];
+    sumsq_of[spans[s].job] += partial[s];
   }
   double total = 0.0;
-  for (double v : sumsq) {
+  for (double v : sumsq_of) {
     total += v;
   }
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
@@ -385,11 +387,38 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList x, bool per_tensor)
   at::Tensor norms = at::empty({per_tensor ? static_cast<int64_t>(x.size()) : 0}, opts);
   if (per_tensor) {
     float* out = norms.mutable_data_ptr<float>();
-    for (size_t i = 0; i < sumsq.size(); ++i) {
-      out[i] = static_cast<float>(std::sqrt(sumsq[i]));
+    for (size_t i = 0; i < sumsq_of.size(); ++i) {
+      out[i] = static_cast<float>(std::sqrt(sumsq_of[i]));
     }
   }
   return {total_t, norms};
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList x, bool per_tensor) {
+  return norms_cpu("multi_tensor_l2norm", x, per_tensor, kernels().sumsq, 1.0f);
+}
+
+std::tuple<at::Tensor, at::Tensor> unscale_l2norm_cpu(at::TensorList x, const at::Tensor& inv_scale,
+                                                      bool per_tensor) {
+  constexpr const char* op = "multi_tensor_unscale_l2norm";
+  const float s = read_scalar(inv_scale, op, "inv_scale");
+  return norms_cpu(op, x, per_tensor, kernels().scaled_sumsq, s);
+}
+
+// One element each, so no loop to vectorise: the step itself is shared with
+// the CUDA kernel (scale_update.h).
+void update_scale_hysteresis_cpu(const at::Tensor& current_scale, const at::Tensor& growth_tracker,
+                                 const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                                 double growth_factor, double backoff_factor,
+                                 int64_t growth_interval, int64_t hysteresis) {
+  constexpr const char* op = "update_scale_hysteresis";
+  check_cpu(current_scale, op, "current_scale");
+  check_scale_state(op, current_scale, growth_tracker, hysteresis_tracker, found_inf);
+  update_scale_hysteresis_step(current_scale.mutable_data_ptr<float>(),
+                               growth_tracker.mutable_data_ptr<int32_t>(),
+                               hysteresis_tracker.mutable_data_ptr<int32_t>(),
+                               found_inf.const_data_ptr<float>(), growth_factor, backoff_factor,
+                               growth_interval, hysteresis);
 }
 
 }  // namespace
@@ -410,4 +439,6 @@ TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
   m.impl("multi_tensor_axpby_", &amp_patch::cpu::axpby_cpu);
   m.impl("multi_tensor_l2norm", &amp_patch::cpu::l2norm_cpu);
   m.impl("multi_tensor_copy_", &amp_patch::cpu::copy_cpu);
+  m.impl("multi_tensor_unscale_l2norm", &amp_patch::cpu::unscale_l2norm_cpu);
+  m.impl("update_scale_hysteresis", &amp_patch::cpu::update_scale_hysteresis_cpu);
 }

@@ -280,16 +280,24 @@ void copy_loop(const void* in_, void* out_, int64_t n) {
 }
 
 // Four independent accumulators (two blocks per step) so the FMA latency
-// chain does not limit a loop that should run at memory bandwidth.
-template <typename TI>
-double sumsq_loop(const void* in_, int64_t n) {
+// chain does not limit a loop that should run at memory bandwidth. kScaled
+// multiplies each element by scale first (unscale_l2norm), rounded to fp32.
+template <typename TI, bool kScaled>
+double sumsq_loop(const void* in_, int64_t n, float scale) {
   const TI* in = static_cast<const TI*>(in_);
+  const Vec s(scale);
   Vec acc0(0.f), acc1(0.f), acc2(0.f), acc3(0.f);
   int64_t i = 0;
   for (; i + 2 * kBlock <= n; i += 2 * kBlock) {
     Vec a, b, c, d;
     Block<TI>::load(in + i, a, b);
     Block<TI>::load(in + i + kBlock, c, d);
+    if constexpr (kScaled) {
+      a = a * s;
+      b = b * s;
+      c = c * s;
+      d = d * s;
+    }
     acc0 = at::vec::fmadd(a, a, acc0);
     acc1 = at::vec::fmadd(b, b, acc1);
     acc2 = at::vec::fmadd(c, c, acc2);
@@ -298,6 +306,10 @@ double sumsq_loop(const void* in_, int64_t n) {
   for_blocks(i, n, [&](int64_t j, int64_t c) {
     Vec lo, hi;
     load_block(in + j, c, lo, hi);
+    if constexpr (kScaled) {
+      lo = lo * s;  // the zero padding stays zero
+      hi = hi * s;
+    }
     acc0 = at::vec::fmadd(lo, lo, acc0);
     acc1 = at::vec::fmadd(hi, hi, acc1);
   });
@@ -310,19 +322,21 @@ double sumsq_loop(const void* in_, int64_t n) {
   return total;
 }
 
-// fp64: the squares summed in fp64, four sums at a time.
-double sumsq_loop_f64(const void* in_, int64_t n) {
+// fp64: the squares of the (scaled) values summed in fp64, four sums at a time.
+template <bool kScaled>
+double sumsq_loop_f64(const void* in_, int64_t n, float scale) {
   const double* in = static_cast<const double*>(in_);
+  const double s = scale;
   double acc[4] = {0.0, 0.0, 0.0, 0.0};
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     for (int k = 0; k < 4; ++k) {
-      const double v = in[i + k];
+      const double v = kScaled ? in[i + k] * s : in[i + k];
       acc[k] += v * v;
     }
   }
   for (; i < n; ++i) {
-    const double v = in[i];
+    const double v = kScaled ? in[i] * s : in[i];
     acc[0] += v * v;
   }
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
@@ -346,14 +360,20 @@ void fill_pair(KernelTable& t) {
   t.copy[I][J] = &copy_loop<TI, TO>;
 }
 
+template <bool kScaled>
+void fill_sumsq(SumsqFn (&f)[kNumDt]) {
+  f[kF32] = &sumsq_loop<float, kScaled>;
+  f[kF16] = &sumsq_loop<c10::Half, kScaled>;
+  f[kBF16] = &sumsq_loop<c10::BFloat16, kScaled>;
+  f[kF64] = &sumsq_loop_f64<kScaled>;
+}
+
 template <int... K>
 KernelTable make_table(std::integer_sequence<int, K...>) {
   KernelTable t{};
   (fill_pair<K / kNumDt, K % kNumDt>(t), ...);
-  t.sumsq[kF32] = &sumsq_loop<float>;
-  t.sumsq[kF16] = &sumsq_loop<c10::Half>;
-  t.sumsq[kBF16] = &sumsq_loop<c10::BFloat16>;
-  t.sumsq[kF64] = &sumsq_loop_f64;
+  fill_sumsq<false>(t.sumsq);
+  fill_sumsq<true>(t.scaled_sumsq);
   return t;
 }
 

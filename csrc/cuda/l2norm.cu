@@ -1,4 +1,5 @@
-// multi_tensor_l2norm: the L2 norm of a tensor list (and of each tensor),
+// multi_tensor_l2norm and multi_tensor_unscale_l2norm: the L2 norm of a tensor
+// list (and of each tensor), of the values as they are or times inv_scale,
 // accumulated in fp32, in two stages with a fixed order of summation, so the
 // result is the same from run to run.
 //
@@ -55,16 +56,23 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 // fp64 inputs are squared and summed per thread in fp64; the block's sum and
-// everything after it is fp32, as for the other dtypes.
-template <typename T>
+// everything after it is fp32, as for the other dtypes. With kScaled each
+// element is first multiplied by *inv_scale, the product rounded to opmath
+// (multi_tensor_unscale_l2norm).
+template <typename T, bool kScaled>
 struct SumSquaresOp {
   float* partials;
+  const float* inv_scale;
 
   __device__ void operator()(const Chunk<1>& c) const {
     using M = opmath_t<T, T>;
+    const M s = kScaled ? static_cast<M>(*inv_scale) : M(1);
     M acc = 0;
     for_each_element<Access::kRead>(c.in<T>(), static_cast<T*>(nullptr), c.n, [&](T x) {
-      const M v = to_opmath<M>(x);
+      M v = to_opmath<M>(x);
+      if constexpr (kScaled) {
+        v = mul_rn(v, s);
+      }
       if constexpr (std::is_same_v<M, double>) {
         acc = fma(v, v, acc);
       } else {
@@ -118,14 +126,13 @@ __global__ void __launch_bounds__(kBlockThreads) l2norm_finalize(
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList x, bool per_tensor) {
-  constexpr const char* op = "multi_tensor_l2norm";
-  if (x.empty()) {
-    // Unreachable through the dispatcher (no tensor picks CUDA); matches the reference.
-    return {at::zeros({}, at::kFloat), at::zeros({0}, at::kFloat)};
-  }
-  const at::Device device = x[0].device();
-  check_list(op, "x", x, device, "x[0]");
+// Both norms; inv_scale is null for the plain l2norm. Every tensor is on `device`.
+std::tuple<at::Tensor, at::Tensor> norms_cuda(
+    const char* op,
+    at::TensorList x,
+    bool per_tensor,
+    const at::Device& device,
+    const float* inv_scale) {
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
@@ -148,7 +155,11 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList x, bo
   float* partials_ptr = partials.data_ptr<float>();
   plan.run([&](auto in, auto, const std::vector<Task<1>>& tasks) {
     using T = typename decltype(in)::type;
-    multi_tensor_apply<1>(tasks, SumSquaresOp<T>{partials_ptr}, stream);
+    if (inv_scale != nullptr) {
+      multi_tensor_apply<1>(tasks, SumSquaresOp<T, true>{partials_ptr, inv_scale}, stream);
+    } else {
+      multi_tensor_apply<1>(tasks, SumSquaresOp<T, false>{partials_ptr, nullptr}, stream);
+    }
   });
 
   at::Tensor total = at::empty({}, fp32);
@@ -172,9 +183,32 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList x, bo
   return {total, norms};
 }
 
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList x, bool per_tensor) {
+  constexpr const char* op = "multi_tensor_l2norm";
+  if (x.empty()) {
+    // Unreachable through the dispatcher (no tensor picks CUDA); matches the reference.
+    return {at::zeros({}, at::kFloat), at::zeros({0}, at::kFloat)};
+  }
+  const at::Device device = x[0].device();
+  check_list(op, "x", x, device, "x[0]");
+  return norms_cuda(op, x, per_tensor, device, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm_cuda(
+    at::TensorList x, const at::Tensor& inv_scale, bool per_tensor) {
+  constexpr const char* op = "multi_tensor_unscale_l2norm";
+  TORCH_CHECK(
+      inv_scale.is_cuda(), "amp_patch::", op, ": inv_scale must be a CUDA tensor, got ",
+      inv_scale.device());
+  check_inv_scale(op, inv_scale, inv_scale.device(), "inv_scale");
+  check_list(op, "x", x, inv_scale.device(), "inv_scale");
+  return norms_cuda(op, x, per_tensor, inv_scale.device(), inv_scale.const_data_ptr<float>());
+}
+
 }  // namespace
 }  // namespace amp_patch::cuda
 
 TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
   m.impl("multi_tensor_l2norm", &amp_patch::cuda::multi_tensor_l2norm_cuda);
+  m.impl("multi_tensor_unscale_l2norm", &amp_patch::cuda::multi_tensor_unscale_l2norm_cuda);
 }

@@ -97,10 +97,14 @@ inline void check_found_inf(const char* op, const at::Tensor& found_inf) {
       " with ", found_inf.numel(), " elements");
 }
 
-inline void check_inv_scale(const char* op, const at::Tensor& inv_scale, const at::Device& device) {
+inline void check_inv_scale(
+    const char* op,
+    const at::Tensor& inv_scale,
+    const at::Device& device,
+    const char* device_source = "found_inf") {
   TORCH_CHECK(
       inv_scale.device() == device, "amp_patch::", op, ": inv_scale is on ", inv_scale.device(),
-      " but found_inf is on ", device);
+      " but ", device_source, " is on ", device);
   TORCH_CHECK(
       inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat, "amp_patch::", op,
       ": inv_scale must be a one-element float32 tensor, got ", inv_scale.scalar_type(),

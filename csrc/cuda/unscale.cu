@@ -1,5 +1,6 @@
 // multi_tensor_unscale_ and multi_tensor_unscale_copy_: out = float(in) * inv_scale,
-// with found_inf set when an input element is inf or NaN.
+// with found_inf set when an input element is inf or NaN; and the loss-scale
+// step that reads that flag, update_scale_hysteresis.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -9,6 +10,7 @@
 
 #include "multi_tensor_apply.cuh"
 #include "overlap.h"
+#include "scale_update.h"
 #include "tensor_lists.cuh"
 
 namespace amp_patch::cuda {
@@ -85,10 +87,49 @@ void multi_tensor_unscale_copy_cuda(
   launch_unscale(plan, found_inf, inv_scale);
 }
 
+// One thread runs the step shared with the CPU kernel (scale_update.h), on
+// the device, so that the scale is never read back to the host.
+__global__ void update_scale_hysteresis_kernel(
+    float* scale,
+    int32_t* growth_tracker,
+    int32_t* hysteresis_tracker,
+    const float* found_inf,
+    double growth_factor,
+    double backoff_factor,
+    int64_t growth_interval,
+    int64_t hysteresis) {
+  update_scale_hysteresis_step(
+      scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+      growth_interval, hysteresis);
+}
+
+void update_scale_hysteresis_cuda(
+    const at::Tensor& current_scale,
+    const at::Tensor& growth_tracker,
+    const at::Tensor& hysteresis_tracker,
+    const at::Tensor& found_inf,
+    double growth_factor,
+    double backoff_factor,
+    int64_t growth_interval,
+    int64_t hysteresis) {
+  constexpr const char* op = "update_scale_hysteresis";
+  TORCH_CHECK(
+      current_scale.is_cuda(), "amp_patch::", op, ": current_scale must be a CUDA tensor, got ",
+      current_scale.device());
+  check_scale_state(op, current_scale, growth_tracker, hysteresis_tracker, found_inf);
+  const c10::cuda::CUDAGuard guard(current_scale.device());
+  update_scale_hysteresis_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      current_scale.mutable_data_ptr<float>(), growth_tracker.mutable_data_ptr<int32_t>(),
+      hysteresis_tracker.mutable_data_ptr<int32_t>(), found_inf.const_data_ptr<float>(),
+      growth_factor, backoff_factor, growth_interval, hysteresis);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace amp_patch::cuda
 
 TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
   m.impl("multi_tensor_unscale_", &amp_patch::cuda::multi_tensor_unscale_cuda);
   m.impl("multi_tensor_unscale_copy_", &amp_patch::cuda::multi_tensor_unscale_copy_cuda);
+  m.impl("update_scale_hysteresis", &amp_patch::cuda::update_scale_hysteresis_cuda);
 }
