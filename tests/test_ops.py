@@ -701,3 +701,276 @@ def test_disjoint_and_identical_lists_are_accepted(backend):
     want = [2.0 * y[0] + 0.5 * y[0]]
     _call(backend, "multi_tensor_axpby_", y, y, _flag(device), 2.0, 0.5)
     assert_bitwise(y, want)
+
+
+# ------------------------------------------------------------ CUDA launcher and hardware cases
+#
+# These reach paths that the case tables do not: the launcher's argument-table
+# flushes, 64-bit element indices, vector alignment per pointer, streams and
+# graph capture. They need a GPU and skip without one.
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+
+# What one launch holds (csrc/cuda/multi_tensor_apply.cuh): 710 tensors and
+# 3072 chunks of 65536 elements with CUDA 13's 32 KB of kernel parameters,
+# 102 tensors and 320 chunks with older toolkits. The cases below cross both.
+_CHUNK = 65536
+_TABLE_BLOCKS = 3072
+
+
+def _rand_cuda(n, dtype, offset=0, gen=None, scale=100.0):
+    """n random values of dtype on the GPU; ``offset`` elements into its storage (misaligned views)."""
+    return (torch.randn(n + offset, device="cuda", generator=gen) * scale).to(dtype)[offset:]
+
+
+def _clone_at_offset(t):
+    """A copy at the same storage offset, so a misaligned view stays misaligned."""
+    off = t.storage_offset()
+    return torch.empty(off + t.numel(), dtype=t.dtype, device=t.device)[off:].copy_(t)
+
+
+def _check_every_op(xs, label):
+    """Every op on the list against the reference (norms against fp64), flags included."""
+    inv = _scale("cuda")
+    got, want = [_clone_at_offset(x) for x in xs], [_clone_at_offset(x) for x in xs]
+    f_got, f_want = _flag("cuda"), _flag("cuda")
+    ops.multi_tensor_unscale_(got, f_got, inv)
+    ops._unscale_ref(want, f_want, inv)
+    assert_bitwise(got, want)
+    assert f_got.item() == f_want.item(), f"{label}: unscale_ flag"
+    for dst_dtype in (F32, BF16):
+        got = [torch.empty_like(x, dtype=dst_dtype) for x in xs]
+        want = [torch.empty_like(x, dtype=dst_dtype) for x in xs]
+        f_got, f_want = _flag("cuda"), _flag("cuda")
+        ops.multi_tensor_unscale_copy_(xs, got, f_got, inv)
+        ops._unscale_copy_ref(xs, want, f_want, inv)
+        assert_bitwise(got, want)
+        assert f_got.item() == f_want.item(), f"{label}: unscale_copy_ flag"
+        ops.multi_tensor_copy_(xs, got)
+        ops._copy_ref(xs, want)
+        assert_bitwise(got, want)
+    y = [_rand_cuda(x.numel(), F32) for x in xs]
+    got, want = _clone(y), _clone(y)
+    f_got, f_want = _flag("cuda"), _flag("cuda")
+    ops.multi_tensor_axpby_(xs, got, f_got, 0.25, 1.5)
+    ops._axpby_ref(xs, want, f_want, 0.25, 1.5)
+    assert_bitwise(got, want)
+    assert f_got.item() == f_want.item(), f"{label}: axpby_ flag"
+    exact = torch.stack([x.double().pow(2).sum() for x in xs]).sqrt()
+    close = dict(rtol=1e-5, atol=1e-6, equal_nan=True)
+    total, norms = ops.multi_tensor_l2norm(xs, True)
+    torch.testing.assert_close(norms.double(), exact, **close)
+    torch.testing.assert_close(total.double(), exact.norm(), **close)
+    total, norms = ops.multi_tensor_unscale_l2norm(xs, inv, True)
+    torch.testing.assert_close(norms.double(), exact * inv.item(), **close)
+    torch.testing.assert_close(total.double(), exact.norm() * inv.item(), **close)
+
+
+@requires_cuda
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "one_inf"])
+def test_cuda_argument_table_flush(poison):
+    """1500 tensors of one dtype group (more than the 710 one launch holds), some misaligned."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    xs = [_rand_cuda(1 + (97 * i) % 3000, F32, offset=int(i % 5 == 0), gen=gen) for i in range(1500)]
+    if poison:
+        xs[777].view(-1)[-1] = float("inf")
+    _check_every_op(xs, "1500 fp32 tensors")
+    mixed = [_rand_cuda(1 + (31 * i) % 900, [F32, BF16, F16, F64][i % 4], gen=gen) for i in range(3000)]
+    _check_every_op(mixed, "3000 tensors in 4 dtype groups")
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_cuda_split_tensor_at_nonzero_table_index():
+    """A tensor whose chunks span launches while it sits at table index 5 (carried over as entry 0)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    xs = [_rand_cuda(n, BF16, gen=gen) for n in (5, 70_001, 3, 65_536, 131_073)]
+    xs.append(_rand_cuda((_TABLE_BLOCKS + 100) * _CHUNK + 777, BF16, gen=gen))
+    xs.append(_rand_cuda(70_001, BF16, gen=gen))
+    _check_every_op(xs, "a split tensor at index 5")
+    xs[5][-1] = float("nan")
+    _check_every_op(xs, "a split tensor at index 5, NaN in its last chunk")
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_cuda_l2norm_of_a_large_tensor_against_fp64():
+    """fp32 accumulation over 2**27 elements (2048 chunks) stays within fp32 rounding of fp64."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(2**27, device="cuda", generator=gen) * 1e3 + 5e2
+    exact = x.double().norm()
+    total, norms = ops.multi_tensor_l2norm([x], True)
+    torch.testing.assert_close(total.double(), exact, rtol=1e-5, atol=0)
+    torch.testing.assert_close(norms.double(), exact.reshape(1), rtol=1e-5, atol=0)
+    total, _ = ops.multi_tensor_unscale_l2norm([x], _scale("cuda", 2.0**-10), False)
+    torch.testing.assert_close(total.double(), exact * 2.0**-10, rtol=1e-5, atol=0)
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_cuda_tensor_over_2_31_elements():
+    """64-bit element indices: a bf16 tensor of 2**31 + 4099 elements, an inf in its very last one."""
+    n = 2**31 + 4099
+    if torch.cuda.mem_get_info()[0] < 16 * 2**30:
+        pytest.skip("needs 16 GiB of free GPU memory")
+    x = torch.empty(n, dtype=BF16, device="cuda")
+    slices = [slice(i, min(i + 2**28, n)) for i in range(0, n, 2**28)]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for sl in slices:
+        x[sl] = torch.randn(sl.stop - sl.start, device="cuda", generator=gen).to(BF16)
+    x[-1] = float("inf")
+    before = x.clone()
+    exact = torch.stack([before[sl].double().pow(2).sum() for sl in slices]).sum().sqrt()
+    total, norms = ops.multi_tensor_l2norm([x], True)
+    assert total.item() == float("inf") == norms.item()
+    x[-1] = 1.0
+    before[-1] = 1.0
+    exact = torch.stack([before[sl].double().pow(2).sum() for sl in slices]).sum().sqrt()
+    total, _ = ops.multi_tensor_l2norm([x], False)
+    torch.testing.assert_close(total.double(), exact, rtol=1e-4, atol=0)
+    x[-1] = float("inf")
+    found_inf, inv = _flag("cuda"), _scale("cuda", 0.5)
+    ops.multi_tensor_unscale_([x], found_inf, inv)
+    assert found_inf.item() == 1.0
+    for sl in slices[:-1] + [slice(slices[-1].start, n - 1)]:
+        assert torch.equal(x[sl], (before[sl].float() * 0.5).to(BF16)), sl
+    assert x[-1].item() == float("inf")
+    del before
+    dst = torch.empty_like(x)
+    ops.multi_tensor_copy_([x], [dst])
+    assert torch.equal(dst[-4099:], x[-4099:]) and torch.equal(dst[:4099], x[:4099])
+
+
+@requires_cuda
+def test_cuda_ops_run_on_the_current_stream():
+    """Work goes to the current (non-default) stream, and nothing waits for it on the host."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    xs = [_rand_cuda(n, dt, gen=gen) for n, dt in [(70_001, F32), (33, BF16), (4099, F16), (9, F64)]]
+    ys = [_rand_cuda(x.numel(), F32, gen=gen) for x in xs]
+    inv = _scale("cuda")
+    want_x, want_y = _clone(xs), _clone(ys)
+    f_want = _flag("cuda")
+    ops._unscale_ref(want_x, f_want, inv)
+    ops._axpby_ref(want_x, want_y, f_want, 0.5, 2.0)
+    want_total = ops._l2norm_ref(want_y, True)
+    torch.cuda.synchronize()  # so that the default stream is idle before the calls below
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    found_inf = _flag("cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy well past the calls below
+        ops.multi_tensor_unscale_(xs, found_inf, inv)
+        ops.multi_tensor_axpby_(xs, ys, found_inf, 0.5, 2.0)
+        total, norms = ops.multi_tensor_l2norm(ys, True)
+        hysteresis = _hysteresis_state("cuda", 1024.0, 0, 2)
+        ops.update_scale_hysteresis(*hysteresis, found_inf, 2.0, 0.5, 3, 2)
+        assert not side.query(), "an op waited for the GPU"
+    assert torch.cuda.default_stream().query(), "an op launched on the default stream"
+    torch.cuda.current_stream().wait_stream(side)
+    assert_bitwise(xs, want_x)
+    assert_bitwise(ys, want_y)
+    torch.testing.assert_close(norms, want_total[1], rtol=1e-5, atol=1e-6)
+    assert found_inf.item() == 0.0 and hysteresis[1].item() == 1
+
+
+@requires_cuda
+def test_cuda_denormal_inputs_and_outputs():
+    """No flush to zero: denormal inputs and products stay bit-equal to the reference."""
+    tiny = {F32: 1e-39, BF16: 1e-39, F16: 3e-6, F64: 1e-310}
+    xs = [torch.linspace(-tiny[dt], tiny[dt], n, device="cuda", dtype=F64).to(dt)
+          for dt, n in [(F32, 4099), (BF16, 1027), (F16, 515), (F64, 33)]]
+    assert all((x != 0).any() and (x.abs() < torch.finfo(x.dtype).tiny).all() for x in xs)
+    inv = _scale("cuda", 0.375)
+    got, want = _clone(xs), _clone(xs)
+    f_got, f_want = _flag("cuda"), _flag("cuda")
+    ops.multi_tensor_unscale_(got, f_got, inv)
+    ops._unscale_ref(want, f_want, inv)
+    assert_bitwise(got, want)
+    assert all((g != 0).any() for g in got), "denormal results were flushed to zero"
+    for dst_dtype in (F32, BF16, F16, F64):
+        got = [torch.empty_like(x, dtype=dst_dtype) for x in xs]
+        want = [torch.empty_like(x, dtype=dst_dtype) for x in xs]
+        ops.multi_tensor_unscale_copy_(xs, got, f_got, _scale("cuda", 3.0))
+        ops._unscale_copy_ref(xs, want, f_want, _scale("cuda", 3.0))
+        assert_bitwise(got, want)
+        ops.multi_tensor_copy_(xs, got)
+        ops._copy_ref(xs, want)
+        assert_bitwise(got, want)
+    y = [torch.full_like(x, 1e-39, dtype=F32) for x in xs]
+    got, want = _clone(y), _clone(y)
+    ops.multi_tensor_axpby_(xs, got, f_got, 0.5, 0.25)
+    ops._axpby_ref(xs, want, f_want, 0.5, 0.25)
+    assert_bitwise(got, want)
+    assert f_got.item() == f_want.item() == 0.0
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_offset,y_offset", [(0, 1), (0, 3), (1, 0), (2, 5)])
+def test_cuda_axpby_with_misaligned_operands(x_offset, y_offset):
+    """A y (or x) that starts off a 16-byte boundary takes the scalar path, and still matches."""
+    gen = torch.Generator(device="cuda").manual_seed(x_offset * 10 + y_offset)
+    sizes = [70_001, 65_536, 17, 4099]
+    for x_dtype in (F32, BF16):
+        x = [_rand_cuda(n, x_dtype, offset=x_offset, gen=gen) for n in sizes]
+        y = [_rand_cuda(n, F32, offset=y_offset, gen=gen) for n in sizes]
+        got, want = [_clone_at_offset(t) for t in y], [_clone_at_offset(t) for t in y]
+        f_got, f_want = _flag("cuda"), _flag("cuda")
+        ops.multi_tensor_axpby_(x, got, f_got, 1.0 / 3.0, 0.7)
+        ops._axpby_ref(x, want, f_want, 1.0 / 3.0, 0.7)
+        assert [t.storage_offset() for t in got] == [y_offset] * len(sizes)
+        assert_bitwise(got, want)
+
+
+@requires_cuda
+def test_cuda_l2norm_is_deterministic():
+    """A fixed order of summation: the same bits from run to run, whatever the scheduling."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    xs = [_rand_cuda(1 + (7919 * i) % 400_000, [F32, BF16][i % 2], gen=gen) for i in range(300)]
+    runs = [ops.multi_tensor_l2norm(xs, True) for _ in range(3)]
+    runs += [ops.multi_tensor_unscale_l2norm(xs, _scale("cuda"), True) for _ in range(2)]
+    for total, norms in runs[1:3]:
+        assert torch.equal(_int_view(total), _int_view(runs[0][0]))
+        assert torch.equal(_int_view(norms), _int_view(runs[0][1]))
+    assert torch.equal(_int_view(runs[3][0]), _int_view(runs[4][0]))
+    assert torch.equal(_int_view(runs[3][1]), _int_view(runs[4][1]))
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["multi_tensor_l2norm", "multi_tensor_unscale_l2norm"])
+def test_cuda_per_tensor_norms_under_graph_capture(name):
+    """per_tensor norms captured in a CUDA graph replay right after the host memory is reused.
+
+    More tensors than one stage-2 launch holds, so the capture has several.
+    """
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    xs = [_rand_cuda(1 + (13 * i) % 300, F32, gen=gen) for i in range(9000)]
+    extra = (_scale("cuda"),) if name == "multi_tensor_unscale_l2norm" else ()
+    op = getattr(ops, name)
+    eager_total, eager_norms = op(xs, *extra, True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(xs, *extra, True)  # warm-up, as graph capture wants
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        total, norms = op(xs, *extra, True)
+    # Churn the pinned host allocator, which a host-side buffer would live in.
+    for _ in range(20):
+        torch.empty(10_000, dtype=torch.int32, pin_memory=True).fill_(-1)
+    for x in xs:
+        x.mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(norms, 2.0 * eager_norms, rtol=1e-6, atol=0)
+    torch.testing.assert_close(total, 2.0 * eager_total, rtol=1e-6, atol=0)
+
+
+@requires_cuda
+def test_cuda_kernels_are_registered_whenever_cuda_is_available():
+    """A build that silently dropped the CUDA sources would serve the slow reference on the GPU."""
+    if os.environ.get("AMP_PATCH_NO_EXT") == "1":
+        pytest.skip("AMP_PATCH_NO_EXT=1: the reference ops serve on purpose")
+    assert ops.native_extension_loaded(), "CUDA is available but amp_patch._C is not built"
+    missing = [name for name in ops._SCHEMAS if not ops.has_native_kernel("cuda", name)]
+    assert not missing, f"no CUDA kernel registered for {missing}: the extension was built without CUDA"

@@ -6,9 +6,11 @@
 // Stage 1 is a multi_tensor_apply kernel: each block writes the sum of
 // squares of its chunk to partials[first chunk of its tensor + chunk]. The
 // slots are numbered in list order, whatever the dtype grouping, so each
-// tensor's partials are one contiguous range. Stage 2 is one small launch:
-// block 0 sums all partials into the total; the other blocks give each tensor
-// one warp that sums its range.
+// tensor's partials are one contiguous range. Stage 2 is one small launch
+// (plus one per 8000 tensors past the first 8000, with per_tensor): block 0
+// sums all partials into the total; the other blocks give each tensor one warp
+// that sums its range. The ranges travel as kernel parameters, so nothing is
+// copied from the host and the op can be captured in a CUDA graph.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +20,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -86,14 +89,30 @@ struct SumSquaresOp {
   }
 };
 
+// The per-tensor partial ranges of one stage-2 launch, passed by value as a
+// kernel parameter. A CUDA graph captures kernel parameters with the launch,
+// so a captured l2norm replays correctly; a host buffer copied to the device
+// would be freed after capture and read again at every replay.
+struct TensorRanges {
+  static constexpr int kMaxTensors =
+      (kParamBytes - kOpParamBytes) / static_cast<int>(sizeof(int32_t)) - 3;
+  int32_t first;  // list index of the first tensor of this launch
+  int32_t count;  // tensors in this launch
+  // Tensor first + t has partials [offsets[t], offsets[t + 1]).
+  int32_t offsets[kMaxTensors + 1];
+};
+static_assert(sizeof(TensorRanges) + kOpParamBytes <= kParamBytes, "stage-2 arguments exceed the limit");
+
+// Block 0 of the first launch (with_total) sums all partials into the total;
+// every other warp takes one tensor of `ranges`.
 __global__ void __launch_bounds__(kBlockThreads) l2norm_finalize(
     const float* partials,
     int num_partials,
-    const int32_t* offsets,
-    int num_tensors,
     float* total,
-    float* norms) {
-  if (blockIdx.x == 0) {
+    float* norms,
+    bool with_total,
+    const __grid_constant__ TensorRanges ranges) {
+  if (with_total && blockIdx.x == 0) {
     // Four independent sums keep four loads in flight per thread.
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int i = threadIdx.x;
@@ -112,17 +131,17 @@ __global__ void __launch_bounds__(kBlockThreads) l2norm_finalize(
     }
     return;
   }
-  const int t = (blockIdx.x - 1) * kWarps + threadIdx.x / 32;
-  if (t >= num_tensors) {
+  const int t = (blockIdx.x - (with_total ? 1 : 0)) * kWarps + threadIdx.x / 32;
+  if (t >= ranges.count) {
     return;  // whole warps leave together, so warp_sum below sees all 32 lanes
   }
   float sum = 0.0f;
-  for (int i = offsets[t] + threadIdx.x % 32; i < offsets[t + 1]; i += 32) {
+  for (int i = ranges.offsets[t] + threadIdx.x % 32; i < ranges.offsets[t + 1]; i += 32) {
     sum += partials[i];
   }
   sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0) {
-    norms[t] = sqrtf(sum);
+    norms[ranges.first + t] = sqrtf(sum);
   }
 }
 
@@ -164,22 +183,22 @@ std::tuple<at::Tensor, at::Tensor> norms_cuda(
 
   at::Tensor total = at::empty({}, fp32);
   at::Tensor norms = at::empty({per_tensor ? num_tensors : 0}, fp32);
-  at::Tensor offsets_dev;
-  int blocks = 1;
-  if (per_tensor) {
-    // Pinned memory makes the copy asynchronous; the host allocator keeps the
-    // buffer until the copy, queued on this stream, has read it.
-    at::Tensor offsets_host =
-        at::empty({num_tensors + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-    std::copy(offsets.begin(), offsets.end(), offsets_host.data_ptr<int32_t>());
-    offsets_dev = offsets_host.to(fp32.dtype(at::kInt), /*non_blocking=*/true);
-    blocks += (num_tensors + kWarps - 1) / kWarps;
+  // Stage 2: one launch for the total and the first tensors' norms, then one
+  // per kMaxTensors further tensors (8000 with the 32 KB parameter limit).
+  constexpr int kPerLaunch = TensorRanges::kMaxTensors;
+  auto ranges = std::make_unique<TensorRanges>();  // 32 KB: not on the stack
+  const int launched = per_tensor ? num_tensors : 0;
+  for (int first = 0; first == 0 || first < launched; first += kPerLaunch) {
+    const bool with_total = first == 0;
+    ranges->first = first;
+    ranges->count = std::min(kPerLaunch, launched - first);
+    std::copy_n(offsets.begin() + first, ranges->count + 1, ranges->offsets);
+    const int blocks = (with_total ? 1 : 0) + (ranges->count + kWarps - 1) / kWarps;
+    l2norm_finalize<<<blocks, kBlockThreads, 0, stream>>>(
+        partials_ptr, static_cast<int>(num_partials), total.data_ptr<float>(),
+        norms.data_ptr<float>(), with_total, *ranges);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  l2norm_finalize<<<blocks, kBlockThreads, 0, stream>>>(
-      partials_ptr, static_cast<int>(num_partials),
-      per_tensor ? offsets_dev.const_data_ptr<int32_t>() : nullptr, num_tensors,
-      total.data_ptr<float>(), norms.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {total, norms};
 }
 
