@@ -94,7 +94,7 @@ def _check_pairs(src: Sequence[Tensor], dst: Sequence[Tensor], op: str) -> None:
 
 
 def _byte_range(t: Tensor) -> tuple[int, int]:
-    """``[first, last]`` byte addresses spanned by ``t``'s elements (strides are never negative)."""
+    """The bytes ``[first, end)`` that ``t``'s elements span (strides are never negative)."""
     extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
     first = t.data_ptr()
     return first, first + extent * t.element_size()

@@ -13,6 +13,22 @@
 
 namespace amp_patch {
 
+// Where the step reads and writes: device pointers for the CUDA kernel, host
+// pointers for the CPU one.
+struct ScaleState {
+  float* scale;
+  int32_t* growth_tracker;
+  int32_t* hysteresis_tracker;
+  const float* found_inf;
+};
+
+struct HysteresisConfig {
+  double growth_factor;
+  double backoff_factor;
+  int64_t growth_interval;
+  int64_t hysteresis;
+};
+
 // A found inf first uses up the hysteresis: while some is left, the scale
 // holds and only the growth count restarts. Once it is used up, each inf
 // multiplies the scale by backoff_factor. growth_interval clean steps in a row
@@ -21,46 +37,40 @@ namespace amp_patch {
 // once to fp32, and found_inf is compared as Apex's kernel did (> 0, != 0 and
 // <= 0), so even a NaN or negative flag takes the same branches.
 C10_HOST_DEVICE inline void update_scale_hysteresis_step(
-    float* scale,
-    int32_t* growth_tracker,
-    int32_t* hysteresis_tracker,
-    const float* found_inf,
-    double growth_factor,
-    double backoff_factor,
-    int64_t growth_interval,
-    int64_t hysteresis) {
-  const float found = *found_inf;
+    const ScaleState& s,
+    const HysteresisConfig& c) {
+  const float found = *s.found_inf;
   if (found > 0.0f) {
-    *hysteresis_tracker -= 1;
-    if (*hysteresis_tracker > 0) {
-      *growth_tracker = 0;
+    *s.hysteresis_tracker -= 1;
+    if (*s.hysteresis_tracker > 0) {
+      *s.growth_tracker = 0;
       return;
     }
   }
   if (found != 0.0f) {
-    *scale = static_cast<float>(static_cast<double>(*scale) * backoff_factor);
-    *growth_tracker = 0;
+    *s.scale = static_cast<float>(static_cast<double>(*s.scale) * c.backoff_factor);
+    *s.growth_tracker = 0;
   } else {
-    const int32_t successful = *growth_tracker + 1;
-    if (successful == growth_interval) {
-      const float grown = static_cast<float>(static_cast<double>(*scale) * growth_factor);
+    const int32_t successful = *s.growth_tracker + 1;
+    if (successful == c.growth_interval) {
+      const float grown = static_cast<float>(static_cast<double>(*s.scale) * c.growth_factor);
       // x - x is 0 exactly when x is finite (the build has no fast-math).
       if (grown - grown == 0.0f) {
-        *scale = grown;
+        *s.scale = grown;
       }
-      *growth_tracker = 0;
+      *s.growth_tracker = 0;
     } else {
-      *growth_tracker = successful;
+      *s.growth_tracker = successful;
     }
   }
   if (found <= 0.0f) {
-    *hysteresis_tracker = static_cast<int32_t>(hysteresis);
+    *s.hysteresis_tracker = static_cast<int32_t>(c.hysteresis);
   }
 }
 
-// The state tensors: one float32 scale, two int32 trackers and a float32
-// found_inf, each of one element, all on the scale's device.
-inline void check_scale_state(
+// The state tensors, checked: one float32 scale, two int32 trackers and a
+// float32 found_inf, each of one element, all on the scale's device.
+inline ScaleState scale_state(
     const char* op,
     const at::Tensor& current_scale,
     const at::Tensor& growth_tracker,
@@ -83,6 +93,8 @@ inline void check_scale_state(
     TORCH_CHECK(a.t.device() == current_scale.device(), "amp_patch::", op, ": ", a.name,
                 " is on ", a.t.device(), " but current_scale is on ", current_scale.device());
   }
+  return {current_scale.mutable_data_ptr<float>(), growth_tracker.mutable_data_ptr<int32_t>(),
+          hysteresis_tracker.mutable_data_ptr<int32_t>(), found_inf.const_data_ptr<float>()};
 }
 
 }  // namespace amp_patch

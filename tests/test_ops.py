@@ -553,7 +553,10 @@ def test_every_cpu_isa_matches_reference(capability):
             assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(y, y2))
         x[3][7] = 0.0
         total, _ = ops.multi_tensor_l2norm(x, False)
-        torch.testing.assert_close(total.double(), torch.cat([t.double() for t in x]).norm(), rtol=1e-5, atol=0)
+        exact = torch.cat([t.double() for t in x]).norm()
+        torch.testing.assert_close(total.double(), exact, rtol=1e-5, atol=0)
+        total, _ = ops.multi_tensor_unscale_l2norm(x, torch.full((1,), 0.25), False)
+        torch.testing.assert_close(total.double(), exact * 0.25, rtol=1e-5, atol=0)
         print("ok")
         """,
         ATEN_CPU_CAPABILITY=capability.lower(),

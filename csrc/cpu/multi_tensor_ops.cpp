@@ -413,12 +413,9 @@ void update_scale_hysteresis_cpu(const at::Tensor& current_scale, const at::Tens
                                  int64_t growth_interval, int64_t hysteresis) {
   constexpr const char* op = "update_scale_hysteresis";
   check_cpu(current_scale, op, "current_scale");
-  check_scale_state(op, current_scale, growth_tracker, hysteresis_tracker, found_inf);
-  update_scale_hysteresis_step(current_scale.mutable_data_ptr<float>(),
-                               growth_tracker.mutable_data_ptr<int32_t>(),
-                               hysteresis_tracker.mutable_data_ptr<int32_t>(),
-                               found_inf.const_data_ptr<float>(), growth_factor, backoff_factor,
-                               growth_interval, hysteresis);
+  update_scale_hysteresis_step(
+      scale_state(op, current_scale, growth_tracker, hysteresis_tracker, found_inf),
+      {growth_factor, backoff_factor, growth_interval, hysteresis});
 }
 
 }  // namespace

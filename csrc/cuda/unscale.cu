@@ -89,18 +89,8 @@ void multi_tensor_unscale_copy_cuda(
 
 // One thread runs the step shared with the CPU kernel (scale_update.h), on
 // the device, so that the scale is never read back to the host.
-__global__ void update_scale_hysteresis_kernel(
-    float* scale,
-    int32_t* growth_tracker,
-    int32_t* hysteresis_tracker,
-    const float* found_inf,
-    double growth_factor,
-    double backoff_factor,
-    int64_t growth_interval,
-    int64_t hysteresis) {
-  update_scale_hysteresis_step(
-      scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-      growth_interval, hysteresis);
+__global__ void update_scale_hysteresis_kernel(ScaleState state, HysteresisConfig config) {
+  update_scale_hysteresis_step(state, config);
 }
 
 void update_scale_hysteresis_cuda(
@@ -116,12 +106,11 @@ void update_scale_hysteresis_cuda(
   TORCH_CHECK(
       current_scale.is_cuda(), "amp_patch::", op, ": current_scale must be a CUDA tensor, got ",
       current_scale.device());
-  check_scale_state(op, current_scale, growth_tracker, hysteresis_tracker, found_inf);
+  const ScaleState state =
+      scale_state(op, current_scale, growth_tracker, hysteresis_tracker, found_inf);
   const c10::cuda::CUDAGuard guard(current_scale.device());
-  update_scale_hysteresis_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      current_scale.mutable_data_ptr<float>(), growth_tracker.mutable_data_ptr<int32_t>(),
-      hysteresis_tracker.mutable_data_ptr<int32_t>(), found_inf.const_data_ptr<float>(),
-      growth_factor, backoff_factor, growth_interval, hysteresis);
+  const HysteresisConfig config{growth_factor, backoff_factor, growth_interval, hysteresis};
+  update_scale_hysteresis_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(state, config);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
