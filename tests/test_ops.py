@@ -18,6 +18,7 @@ from conftest import DEVICES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import amp_patch
 from amp_patch import ops
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -408,8 +409,6 @@ class _ScaledModel(torch.nn.Module):
 
 
 def _train_fp64(opt_level, loss_scale, steps=3):
-    import amp_patch
-
     model = _ScaledModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp_patch.initialize(model, opt, opt_level=opt_level, loss_scale=loss_scale, verbosity=0)
