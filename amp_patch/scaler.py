@@ -133,6 +133,7 @@ class LossScaler:
         self._scale = min(INITIAL_DYNAMIC_SCALE, self.max_loss_scale) if self.dynamic else float(loss_scale)
         self._unskipped = 0
         self._skipped = 0
+        self._last_overflow = False
         self._devices: dict[torch.device, _DeviceTensors] = {}
 
     @classmethod
@@ -153,6 +154,24 @@ class LossScaler:
     def loss_scale(self) -> float:
         """The current scale (the host mirror; reading it does not sync)."""
         return self._scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        """Set the scale that the next iteration uses (host mirror and device tensors together).
+
+        Raises:
+            ValueError: if ``value`` is not a positive finite number.
+        """
+        scale = float(value)
+        if not (0.0 < scale < float("inf")):
+            raise ValueError(f"loss scaler {self.loss_id}: the loss scale must be a positive "
+                             f"finite number, got {value!r}")
+        self._set_scale(scale)
+
+    @property
+    def last_overflow(self) -> bool:
+        """Whether the last :meth:`update` found an overflow (and so asked for a skipped step)."""
+        return self._last_overflow
 
     @property
     def skipped_steps(self) -> int:
@@ -239,7 +258,7 @@ class LossScaler:
         Raises:
             LossScaleCollapseError: the scale would fall below its floor.
         """
-        overflow = self._read_overflow()
+        overflow = self._last_overflow = self._read_overflow()
         if not overflow:
             self._unskipped += 1
             if self.dynamic and self._unskipped >= self.scale_window:
@@ -291,6 +310,7 @@ class LossScaler:
             raise ValueError(f"loss scaler {self.loss_id}: invalid saved loss_scale {scale!r}")
         self._unskipped = int(state["unskipped"])
         self._skipped = int(state.get("skipped", 0))
+        self._last_overflow = False
         self._set_scale(scale)
         for dev in self._devices.values():
             dev.found_inf.zero_()
