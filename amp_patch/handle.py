@@ -85,7 +85,8 @@ def scale_loss(
             f"num_losses={props.num_losses}, so loss_id must be in 0..{props.num_losses - 1}"
         )
     records = [session.record_for(opt) for opt in opt_list]
-    if props.skips_unscale:
+    # A scale set after initialize (Apex's ``_amp_state.loss_scalers[i]._loss_scale``) is used.
+    if props.skips_unscale and session.scalers[loss_id].loss_scale == 1.0:
         try:
             yield loss.float()
         finally:
