@@ -112,50 +112,25 @@ class LossScalerView(_View):
         """The current loss scale."""
         return self._scaler.loss_scale
 
-    @property
-    def _loss_scale(self) -> float:
-        """The current loss scale; setting it changes the scale of the next iteration."""
-        return self._scaler.loss_scale
-
-    @_loss_scale.setter
-    def _loss_scale(self, value: float) -> None:
-        self._scaler.loss_scale = value
-
-    @property
-    def _unskipped(self) -> int:
-        """Clean iterations since the last overflow or scale increase (0 right after a skip)."""
-        return self._scaler.state_dict()["unskipped"]
-
-    @property
-    def _has_overflow(self) -> bool:
-        """Whether the last iteration found an inf or NaN (its step is or was skipped)."""
-        return self._scaler.last_overflow
-
-    @property
-    def _scale_seq_len(self) -> int:
-        """Clean iterations after which a dynamic scale doubles (Apex's ``scale_window``)."""
-        return self._scaler.scale_window
-
-    @_scale_seq_len.setter
-    def _scale_seq_len(self, value: int) -> None:
+    def _set_scale_seq_len(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"_scale_seq_len must be a positive int, got {value!r}")
         self._scaler.scale_window = value
 
-    @property
-    def _max_loss_scale(self) -> float:
-        """Ceiling of the dynamic scale."""
-        return self._scaler.max_loss_scale
-
-    @property
-    def _min_loss_scale(self) -> float | None:
-        """Floor of the dynamic scale (None: amp_patch's default floor, 2**-24)."""
-        return self._scaler.min_loss_scale
-
-    @property
-    def dynamic(self) -> bool:
-        """True for dynamic loss scaling."""
-        return self._scaler.dynamic
+    _loss_scale = property(lambda self: self._scaler.loss_scale,
+                           lambda self, value: setattr(self._scaler, "loss_scale", value),
+                           doc="The current loss scale; setting it changes the next iteration's.")
+    _unskipped = property(lambda self: self._scaler.state_dict()["unskipped"],
+                          doc="Clean iterations since the last overflow or scale increase.")
+    _has_overflow = property(lambda self: self._scaler.last_overflow,
+                             doc="Whether the last iteration found an inf or NaN (and skipped).")
+    _scale_seq_len = property(lambda self: self._scaler.scale_window, _set_scale_seq_len,
+                              doc="Clean iterations after which a dynamic scale doubles.")
+    _max_loss_scale = property(lambda self: self._scaler.max_loss_scale,
+                               doc="Ceiling of the dynamic scale.")
+    _min_loss_scale = property(lambda self: self._scaler.min_loss_scale,
+                               doc="Floor of the dynamic scale (None: amp_patch's, 2**-24).")
+    dynamic = property(lambda self: self._scaler.dynamic, doc="True for dynamic loss scaling.")
 
     def __repr__(self) -> str:
         return f"<apex loss scaler view of {self._scaler!r}>"

@@ -13,7 +13,16 @@ from torch import nn
 __all__ = ["FusedLayerNorm", "FusedRMSNorm"]
 
 
-class FusedLayerNorm(nn.LayerNorm):
+class _ApexNormArgs:
+    """Apex's constructor arguments in front of a torch norm (the next class in the MRO)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 memory_efficient: bool = False) -> None:
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+        self.memory_efficient = memory_efficient
+
+
+class FusedLayerNorm(_ApexNormArgs, nn.LayerNorm):
     """Apex's ``FusedLayerNorm``: torch's LayerNorm with Apex's arguments.
 
     Args:
@@ -29,13 +38,8 @@ class FusedLayerNorm(nn.LayerNorm):
         torch.Size([2, 64])
     """
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False) -> None:
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
-        self.memory_efficient = memory_efficient
 
-
-class FusedRMSNorm(nn.RMSNorm):
+class FusedRMSNorm(_ApexNormArgs, nn.RMSNorm):
     """Apex's ``FusedRMSNorm``: torch's RMSNorm with Apex's arguments and default ``eps`` of 1e-5.
 
     Args:
@@ -50,8 +54,3 @@ class FusedRMSNorm(nn.RMSNorm):
         >>> FusedRMSNorm(64)(torch.randn(2, 64)).shape
         torch.Size([2, 64])
     """
-
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 memory_efficient: bool = False) -> None:
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
-        self.memory_efficient = memory_efficient
