@@ -313,7 +313,7 @@ def test_caught_import_of_unserved_name_still_warns(hook, caplog):
         pass
     records = [r.getMessage() for r in caplog.records if r.name == "amp_patch"]
     assert len(records) == 2  # once per name
-    assert records[0].startswith("apex.contrib is not provided by amp_patch; instead:")
+    assert records[0].startswith("apex.contrib is not provided by amp_patch; use instead:")
     assert "apex.optimizers.FusedLAMB is not provided" in records[1]
     assert list(hook.misses) == ["apex.contrib", "apex.optimizers.FusedLAMB"]
 

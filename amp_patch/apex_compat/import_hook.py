@@ -105,28 +105,30 @@ MODULES: dict[str, _Mapping] = {
                       "multi_tensor_scale, multi_tensor_axpby, multi_tensor_l2norm"),
 }
 
-_AMP_INTERNALS = ("amp_patch serves apex.amp's public API and _amp_state; use "
-                  "amp.initialize / amp.scale_loss / amp.state_dict")
-
-# What to do instead, for names people are likely to meet.
+# What to use instead, for names people are likely to meet.
 _HINTS: dict[str, str] = {
-    "apex.optimizers.FP16_Optimizer": "use apex.fp16_utils.FP16_Optimizer (Apex's later spelling), "
+    "apex.optimizers.FP16_Optimizer": "apex.fp16_utils.FP16_Optimizer (Apex's later spelling), "
                                       "or amp.initialize(..., opt_level='O2')",
-    "apex.optimizers.FusedLAMB": "no LAMB in torch.optim; use a LAMB implementation of your choice",
-    "apex.optimizers.FusedNovoGrad": "no NovoGrad in torch.optim",
-    "apex.optimizers.FusedAdagrad": "use torch.optim.Adagrad(..., fused=True)",
-    "apex.normalization.MixedFusedLayerNorm": "use torch.nn.LayerNorm under opt_level='O1'",
-    "apex.normalization.MixedFusedRMSNorm": "use torch.nn.RMSNorm under opt_level='O1'",
-    "apex.parallel.Reducer": "use torch.nn.parallel.DistributedDataParallel, or "
+    "apex.optimizers.FusedLAMB": "a LAMB implementation of your choice (torch.optim has none)",
+    "apex.optimizers.FusedNovoGrad": "a NovoGrad implementation of your choice (torch.optim has "
+                                     "none)",
+    "apex.optimizers.FusedAdagrad": "torch.optim.Adagrad(..., fused=True)",
+    "apex.normalization.MixedFusedLayerNorm": "torch.nn.LayerNorm under opt_level='O1'",
+    "apex.normalization.MixedFusedRMSNorm": "torch.nn.RMSNorm under opt_level='O1'",
+    "apex.parallel.Reducer": "torch.nn.parallel.DistributedDataParallel, or "
                              "torch.distributed.all_reduce on the gradients",
-    "apex.parallel.multiproc": "use torchrun",
-    "apex.amp": _AMP_INTERNALS,
-    "apex.contrib": "Apex's contrib CUDA extensions are not provided",
-    "apex.transformer": "Apex's Megatron-style tensor/pipeline parallel utilities are not provided",
-    "apex.mlp": "use torch.nn.Linear layers (amp_patch casts them under O1-O3)",
-    "apex.RNN": "use torch.nn.LSTM / GRU (supported under O1)",
-    "apex.reparameterization": "use torch.nn.utils.parametrizations.weight_norm",
-    "apex.fused_dense": "use torch.nn.Linear (amp_patch casts it under O1-O3)",
+    "apex.parallel.multiproc": "torchrun",
+    "apex.amp": "the public apex.amp API and _amp_state, which amp_patch serves (amp.initialize, "
+                "amp.scale_loss, amp.state_dict, ...)",
+    "apex.contrib": "torch's own ops (torch.nn.CrossEntropyLoss for xentropy, torch.optim's "
+                    "fused=True optimizers, torch.nn.functional.scaled_dot_product_attention); "
+                    "Apex's contrib CUDA extensions are not provided",
+    "apex.transformer": "torch.distributed.tensor.parallel, or Megatron-LM; Apex's Megatron-style "
+                        "parallel utilities are not provided",
+    "apex.mlp": "torch.nn.Linear layers (amp_patch casts them under O1-O3)",
+    "apex.RNN": "torch.nn.LSTM / GRU (supported under O1)",
+    "apex.reparameterization": "torch.nn.utils.parametrizations.weight_norm",
+    "apex.fused_dense": "torch.nn.Linear (amp_patch casts it under O1-O3)",
 }
 
 
@@ -145,7 +147,7 @@ def unsupported_message(name: str) -> str:
     hint = _hint(name)
     supported = "; ".join(f"{n} ({m.what})" for n, m in MODULES.items() if n != "apex")
     return (f"{name} is not supported by amp_patch's Apex compatibility layer (amp-patch run)."
-            + (f" Instead: {hint}." if hint else "")
+            + (f" Use instead: {hint}." if hint else "")
             + f" Supported: {supported}. See docs/migration.md.")
 
 
@@ -256,7 +258,7 @@ class ApexFinder(importlib.abc.MetaPathFinder):
         hint = _hint(name)
         self.misses[name] = hint
         logger.warning("%s is not provided by amp_patch%s. If the script catches this ImportError "
-                       "it now runs without it.", name, f"; instead: {hint}" if hint else
+                       "it now runs without it.", name, f"; use instead: {hint}" if hint else
                        " (docs/migration.md lists what is served)")
 
     def find_spec(self, fullname: str, path=None, target=None):
