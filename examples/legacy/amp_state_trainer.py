@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from apex import amp
 from apex.amp._amp_state import _amp_state
 
-from legacy_run_utils import load_checkpoint, log_step, save_checkpoint
+from legacy_run_utils import load_checkpoint, log_step, parse_args_with_checkpoints, save_checkpoint
 
 
 class PatchClassifier(nn.Module):
@@ -47,17 +47,18 @@ def get_batch(step, batch_size=16):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fp16_opt_level", default="O2")
+    parser.add_argument("--fp16_opt_level", type=str, default="O2",
+                        help="For fp16: Apex AMP optimization level selected in ['O0', 'O1', "
+                             "'O2', and 'O3'].")
     parser.add_argument("--loss_scale", default=None,
-                        help="passed to amp.initialize: a number or 'dynamic'")
-    parser.add_argument("--learning_rate", type=float, default=0.1)
-    parser.add_argument("--num_steps", type=int, default=24)
-    parser.add_argument("--warmup_steps", type=int, default=4)
-    parser.add_argument("--overflow_step", type=int, default=-1)
-    parser.add_argument("--save_step", type=int, default=-1)
-    parser.add_argument("--output_dir", default="vit_output")
-    parser.add_argument("--resume", default=None)
-    args = parser.parse_args()
+                        help="Loss scale passed to amp.initialize: a number or 'dynamic'.")
+    parser.add_argument("--learning_rate", default=0.1, type=float,
+                        help="The initial learning rate for SGD.")
+    parser.add_argument("--num_steps", default=24, type=int,
+                        help="Total number of training steps to perform.")
+    parser.add_argument("--warmup_steps", default=4, type=int,
+                        help="Step of training to perform learning rate warmup for.")
+    args = parse_args_with_checkpoints(parser, "vit_output")
 
     torch.manual_seed(0)
     model = PatchClassifier()
@@ -79,13 +80,8 @@ def main():
 
     step = 0
     if args.resume:
-        checkpoint = load_checkpoint(args.resume)
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        amp.load_state_dict(checkpoint["amp"])
-        step = checkpoint["step"]
-        print("resumed from step %d" % step)
+        step = load_checkpoint(args.resume, model=model, optimizer=optimizer,
+                               scheduler=scheduler, amp=amp)
 
     model.train()
     while step < args.num_steps:

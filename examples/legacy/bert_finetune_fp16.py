@@ -22,7 +22,7 @@ import argparse
 import torch
 import torch.nn as nn
 
-from legacy_run_utils import load_checkpoint, log_step, save_checkpoint
+from legacy_run_utils import load_checkpoint, log_step, parse_args_with_checkpoints, save_checkpoint
 
 VOCAB, SEQ, HIDDEN, LABELS = 64, 12, 32, 2
 
@@ -69,11 +69,7 @@ def main():
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--train_batch_size", type=int, default=16)
     parser.add_argument("--num_train_steps", type=int, default=24)
-    parser.add_argument("--overflow_step", type=int, default=-1)
-    parser.add_argument("--save_step", type=int, default=-1)
-    parser.add_argument("--output_dir", default="bert_output")
-    parser.add_argument("--resume", default=None)
-    args = parser.parse_args()
+    args = parse_args_with_checkpoints(parser, "bert_output")
 
     torch.manual_seed(42)
     model = TinyBertForSequenceClassification()
@@ -105,11 +101,7 @@ def main():
 
     global_step = 0
     if args.resume:
-        checkpoint = load_checkpoint(args.resume)
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        global_step = checkpoint["step"]
-        print("resumed from step %d" % global_step)
+        global_step = load_checkpoint(args.resume, model=model, optimizer=optimizer)
 
     model.train()
     while global_step < args.num_train_steps:

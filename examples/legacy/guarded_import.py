@@ -19,7 +19,7 @@ import argparse
 import torch
 import torch.nn as nn
 
-from legacy_run_utils import load_checkpoint, log_step, save_checkpoint
+from legacy_run_utils import load_checkpoint, log_step, parse_args_with_checkpoints, save_checkpoint
 
 
 def get_batch(step, batch_size=16):
@@ -34,11 +34,7 @@ def main():
     parser.add_argument("--fused_xentropy", action="store_true")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--overflow_step", type=int, default=-1)
-    parser.add_argument("--save_step", type=int, default=-1)
-    parser.add_argument("--output_dir", default="guarded_output")
-    parser.add_argument("--resume", default=None)
-    args = parser.parse_args()
+    args = parse_args_with_checkpoints(parser, "guarded_output")
 
     if args.fp16:
         try:
@@ -66,10 +62,7 @@ def main():
 
     step = 0
     if args.resume:
-        checkpoint = load_checkpoint(args.resume)
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        step = checkpoint["step"]
+        step = load_checkpoint(args.resume, model=model, optimizer=optimizer)
 
     while step < args.epochs:
         x, y = get_batch(step)

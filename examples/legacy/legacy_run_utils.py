@@ -24,6 +24,18 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
+def parse_args_with_checkpoints(parser, output_dir):
+    """Add the options every script here takes, then parse: --overflow_step, --save_step,
+    --output_dir, --resume."""
+    parser.add_argument("--overflow_step", type=int, default=-1,
+                        help="multiply the loss of this step by inf (to watch it be skipped)")
+    parser.add_argument("--save_step", type=int, default=-1,
+                        help="save a checkpoint once this many steps are done")
+    parser.add_argument("--output_dir", default=output_dir)
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from")
+    return parser.parse_args()
+
+
 def state_digest(*states):
     """A short hash of the bytes of every tensor in ``states`` (nested dicts and lists)."""
     h = hashlib.sha256()
@@ -48,6 +60,14 @@ def save_checkpoint(output_dir, **state):
     return path
 
 
-def load_checkpoint(path):
-    """The checkpoint saved by :func:`save_checkpoint`, read with ``weights_only=True``."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load_checkpoint(path, **objects):
+    """Read the checkpoint saved by :func:`save_checkpoint` (``weights_only=True``) into ``objects``.
+
+    Each keyword names a saved entry; its object's ``load_state_dict`` gets it
+    (``model=model, optimizer=optimizer, amp=amp``). Returns the saved step.
+    """
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    for name, obj in objects.items():
+        obj.load_state_dict(checkpoint[name])
+    print("resumed from step %d" % checkpoint["step"], flush=True)
+    return checkpoint["step"]
