@@ -80,9 +80,10 @@ def _wrapped(model: nn.Module, **kwargs) -> FP16_Optimizer:
     return FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), **kwargs)
 
 
-def _iteration(opt: FP16_Optimizer, model: nn.Module, step: int, dtype: torch.dtype) -> None:
+def _iteration(opt: FP16_Optimizer, model: nn.Module, step: int, dtype: torch.dtype,
+               device: str = "cpu") -> None:
     opt.zero_grad(set_grads_to_None=True)
-    opt.backward(_loss(model, step, dtype))
+    opt.backward(_loss(model, step, dtype, device))
     opt.step()
 
 
@@ -97,8 +98,8 @@ def _assert_same(opt: FP16_Optimizer, model: nn.Module, ref: ReferenceFP16) -> N
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("scaling", ["dynamic", "static"])
-def test_matches_reference_over_50_steps(dtype, scaling):
-    model, ref_model = _model(dtype), _model(dtype)
+def test_matches_reference_over_50_steps(device, dtype, scaling):
+    model, ref_model = _model(dtype, device), _model(dtype, device)
     if scaling == "dynamic":
         opt = _wrapped(model, dynamic_loss_scale=True,
                        dynamic_loss_args={"init_scale": 2.0**10, "scale_window": 5,
@@ -109,8 +110,8 @@ def test_matches_reference_over_50_steps(dtype, scaling):
         ref = ReferenceFP16(ref_model, dynamic=False, scale=128.0)
     scales, ref_scales = [], []
     for step in range(STEPS):
-        _iteration(opt, model, step, dtype)
-        overflow = ref.iteration(_loss(ref_model, step, dtype))
+        _iteration(opt, model, step, dtype, device)
+        overflow = ref.iteration(_loss(ref_model, step, dtype, device))
         assert opt.overflow == overflow == (step in OVERFLOW_AT)
         scales.append(opt.loss_scale)
         ref_scales.append(ref.scale)
@@ -143,12 +144,12 @@ def test_overflow_step_changes_nothing_but_the_scale():
         assert torch.equal(s["momentum_buffer"], after["state"][i]["momentum_buffer"])
 
 
-def test_one_host_sync_per_step():
-    model = _model(torch.bfloat16)
+def test_one_host_sync_per_step(device, half_dtype):
+    model = _model(half_dtype, device)
     opt = _wrapped(model, dynamic_loss_scale=True)
-    _iteration(opt, model, 0, torch.bfloat16)
+    _iteration(opt, model, 0, half_dtype, device)
     for step in (1, 2):
-        x, y = _batch(step, torch.bfloat16)
+        x, y = _batch(step, half_dtype, device)
         loss = F.cross_entropy(model(x).float(), y)
         with count_host_syncs() as counted:
             opt.zero_grad()
