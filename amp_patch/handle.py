@@ -117,7 +117,8 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
                      loss_id: int, delay_unscale: bool,
                      delay_overflow_check: bool) -> Iterator[Tensor]:
     """The body of :func:`scale_loss` once its arguments are checked: yields the scaled loss."""
-    if session.props.skips_unscale:
+    # A scale set after initialize (Apex's ``_amp_state.loss_scalers[i]._loss_scale``) is used.
+    if session.props.skips_unscale and session.scalers[loss_id].loss_scale == 1.0:
         try:
             yield loss.float()
         finally:

@@ -141,6 +141,7 @@ class LossScaler:
         self._unskipped = 0
         self._skipped = 0
         self._consecutive = 0
+        self._last_overflow = False
         self._devices: dict[torch.device, _DeviceTensors] = {}
 
     @classmethod
@@ -162,6 +163,24 @@ class LossScaler:
     def loss_scale(self) -> float:
         """The current scale (the host mirror; reading it does not sync)."""
         return self._scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        """Set the scale that the next iteration uses (host mirror and device tensors together).
+
+        Raises:
+            ValueError: if ``value`` is not a positive finite number.
+        """
+        scale = float(value)
+        if not (0.0 < scale < float("inf")):
+            raise ValueError(f"loss scaler {self.loss_id}: the loss scale must be a positive "
+                             f"finite number, got {value!r}")
+        self._set_scale(scale)
+
+    @property
+    def last_overflow(self) -> bool:
+        """Whether the last :meth:`update` found an overflow (and so asked for a skipped step)."""
+        return self._last_overflow
 
     @property
     def skipped_steps(self) -> int:
@@ -251,7 +270,7 @@ class LossScaler:
                 or a static one overflowed more than ``max_consecutive_skips``
                 times in a row.
         """
-        overflow = self._read_overflow()
+        overflow = self._last_overflow = self._read_overflow()
         if not overflow:
             self._unskipped += 1
             self._consecutive = 0
@@ -352,6 +371,7 @@ class LossScaler:
             TypeError, ValueError: as :meth:`check_state_dict`; nothing is changed then.
         """
         scale, self._unskipped, self._skipped, self._consecutive = self.check_state_dict(state)
+        self._last_overflow = False
         self._set_scale(scale)
         for dev in self._devices.values():
             dev.found_inf.zero_()
