@@ -158,16 +158,6 @@ def _public_names(module: types.ModuleType) -> list[str]:
     return list(names)
 
 
-def _target_available(mapping: _Mapping) -> bool:
-    """False when the target module does not exist in this amp_patch (a name served later)."""
-    if mapping.target is None:
-        return True
-    try:
-        return importlib.util.find_spec(mapping.target) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 class _ShimModule(types.ModuleType):
     """A served module: Apex's public names in ``__dict__``, the target's others on use."""
 
@@ -223,10 +213,9 @@ class _ShimLoader(importlib.abc.Loader):
         # ``import apex.parallel.LARC`` would otherwise replace the attribute ``LARC`` (the
         # class) by the submodule; loaded here first, the import finds it in sys.modules
         # and leaves the parent alone, as Apex's own imports did.
-        for child, mapping in MODULES.items():
+        for child in MODULES:
             head, _, attr = child.rpartition(".")
-            if (head == module.__name__ and attr in module.__dict__ and child not in sys.modules
-                    and _target_available(mapping)):
+            if head == module.__name__ and attr in module.__dict__ and child not in sys.modules:
                 sub = importlib.util.module_from_spec(
                     importlib.util.spec_from_loader(child, self, is_package=True))
                 sys.modules[child] = sub
@@ -265,7 +254,7 @@ class ApexFinder(importlib.abc.MetaPathFinder):
         if fullname.partition(".")[0] not in self.roots:
             return None
         mapping = MODULES.get(fullname)
-        if mapping is None or not _target_available(mapping):
+        if mapping is None:
             self.record_miss(fullname)
             raise ApexUnsupportedError(unsupported_message(fullname), name=fullname)
         return importlib.util.spec_from_loader(fullname, self._loader, is_package=True)

@@ -12,7 +12,6 @@ ones that change what is computed and that torch cannot express raise.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 
 import torch
@@ -21,24 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-_LARC_MODULE = "amp_patch.apex_compat.larc"
+from amp_patch.apex_compat.larc import LARC
 
 __all__ = ["DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model",
-           "create_syncbn_process_group", "ReduceOp"]
-if importlib.util.find_spec(_LARC_MODULE) is not None:
-    __all__.append("LARC")
+           "create_syncbn_process_group", "ReduceOp", "LARC"]
 
 logger = logging.getLogger("amp_patch")
 
 #: torch.distributed's reduction ops, which Apex re-exported.
 ReduceOp = dist.ReduceOp
-
-
-def __getattr__(name: str):
-    # LARC lives in its own module; importing it here only when asked keeps this one light.
-    if name == "LARC" and "LARC" in __all__:
-        return importlib.import_module(_LARC_MODULE).LARC
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
