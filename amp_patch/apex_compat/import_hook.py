@@ -102,7 +102,8 @@ MODULES: dict[str, _Mapping] = {
                                         "multi_tensor_applier, MultiTensorApply",
                                         ("MultiTensorApply", "multi_tensor_applier")),
     "amp_C": _Mapping("amp_patch.apex_compat.amp_C",
-                      "multi_tensor_scale, multi_tensor_axpby, multi_tensor_l2norm"),
+                      "multi_tensor_scale, multi_tensor_axpby, multi_tensor_l2norm, "
+                      "multi_tensor_unscale_l2norm, update_scale_hysteresis"),
 }
 
 # What to use instead, for names people are likely to meet.
