@@ -34,6 +34,7 @@ def initialize(
     max_loss_scale: float = 2.0**24,
     *,
     half_dtype: torch.dtype | None = None,
+    cpu_half_compute: str | None = None,
 ):
     """Set up mixed precision for models and optimizers at an opt level.
 
@@ -67,6 +68,11 @@ def initialize(
         max_loss_scale (float, optional): ceiling of the dynamic scale. Default: 2**24.
         half_dtype (torch.dtype, optional): ``torch.float16`` or
             ``torch.bfloat16``. Default: fp16 for models on CUDA, else bf16.
+        cpu_half_compute (str, optional): ``"auto"``, ``"native"`` or
+            ``"emulate"``: whether half matmuls and convolutions on the CPU are
+            emulated (fp32 compute, outputs rounded to half). ``"auto"``
+            emulates where :func:`amp_patch.cpu_half_support` reports the host
+            not native. Default: ``"auto"``.
 
     Returns:
         The models and optimizers, as passed.
@@ -107,6 +113,7 @@ def initialize(
         verbosity=verbosity,
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
+        cpu_half_compute=cpu_half_compute,
     )
     _logging.configure(props.verbosity)
 
@@ -130,12 +137,14 @@ def initialize(
 
 def _build(session: _session.AmpSession) -> None:
     # Imported here: these modules import torch-heavy pieces that need ops registered first.
-    from amp_patch import model as _model, optim as _optim
+    from amp_patch import cpu_half as _cpu_half, model as _model, optim as _optim
     from amp_patch.patching import install as _install_patches
     from amp_patch.scaler import LossScaler
 
     props = session.props
     _model.prepare(session)
+    # Before O1's patches, so that O1's wrappers call the emulating ones they find.
+    _cpu_half.install(session)
     if props.patch_torch_functions:
         _install_patches(session)
     for optimizer in session.optimizers:

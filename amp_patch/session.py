@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:
+    from amp_patch.cpu_half import CpuHalfPlan
     from amp_patch.optim import OptimizerRecord
     from amp_patch.patching.state import CastState
     from amp_patch.properties import Properties
@@ -37,6 +38,8 @@ class AmpSession:
         optimizer_records (dict): ``id(optimizer)`` to its
             :class:`~amp_patch.optim.OptimizerRecord`.
         scalers (list of LossScaler): one per ``loss_id``.
+        cpu_half (CpuHalfPlan or None): how half matmuls run on the CPU
+            (:mod:`amp_patch.cpu_half`); None when nothing computes in half there.
     """
 
     def __init__(self, props: "Properties", models: list[torch.nn.Module],
@@ -47,6 +50,7 @@ class AmpSession:
         self.casts: CastState | None = None
         self.optimizer_records: dict[int, OptimizerRecord] = {}
         self.scalers: list[LossScaler] = []
+        self.cpu_half: CpuHalfPlan | None = None
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self.closed = False
 
