@@ -668,10 +668,7 @@ def _emulator(original: Callable, dtype: torch.dtype, name: str) -> Callable:
             return narrow(result)
         return result
 
-    try:
-        functools.update_wrapper(emulated, original)
-    except (AttributeError, TypeError):
-        emulated.__wrapped__ = original
+    functools.update_wrapper(emulated, original)  # every target is a named torch callable
     emulated._amp_patch_cpu_half = dtype
     return emulated
 
