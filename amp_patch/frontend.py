@@ -37,6 +37,7 @@ def initialize(
     *,
     half_dtype: torch.dtype | None = None,
     max_consecutive_skips: int | None = None,
+    cpu_half_compute: str | None = None,
 ):
     """Set up mixed precision for models and optimizers at an opt level.
 
@@ -75,6 +76,11 @@ def initialize(
             consecutive skipped steps of one loss allowed before the next
             overflow raises :class:`~amp_patch.scaler.LossScaleCollapseError`.
             Default: 50.
+        cpu_half_compute (str, optional): ``"auto"``, ``"native"`` or
+            ``"emulate"``: whether half matmuls and convolutions on the CPU are
+            emulated (fp32 compute, outputs rounded to half). ``"auto"``
+            emulates where :func:`amp_patch.cpu_half_support` reports the host
+            not native. Default: ``"auto"``.
 
     Returns:
         The models and optimizers, as passed.
@@ -120,6 +126,7 @@ def initialize(
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
         max_consecutive_skips=max_consecutive_skips,
+        cpu_half_compute=cpu_half_compute,
     )
     _logging.configure(props.verbosity)
     if props.enabled:
@@ -147,13 +154,15 @@ def initialize(
 
 def _build(session: _session.AmpSession) -> None:
     # Imported here: these modules import torch-heavy pieces that need ops registered first.
-    from amp_patch import model as _model, optim as _optim
+    from amp_patch import cpu_half as _cpu_half, model as _model, optim as _optim
     from amp_patch.patching import install as _install_patches
     from amp_patch.patching.state import disable_casts
     from amp_patch.scaler import LossScaler
 
     props = session.props
     _model.prepare(session)
+    # Before O1's patches, so that O1's wrappers call the emulating ones they find.
+    _cpu_half.install(session)
     if props.patch_torch_functions:
         _install_patches(session)
     for optimizer in session.optimizers:

@@ -8,6 +8,8 @@ from typing import Any, Union
 
 import torch
 
+from amp_patch.cpu_half import check_mode as check_cpu_half_mode
+
 __all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS"]
 
 DYNAMIC = "dynamic"
@@ -54,6 +56,11 @@ class Properties:
             raises :class:`~amp_patch.scaler.LossScaleCollapseError`. (A dynamic
             scale is bounded by ``min_loss_scale`` instead.) Default: 50.
         enabled (bool): False makes amp a no-op.
+        cpu_half_compute (str): how half matmuls and convolutions run on the
+            CPU: ``"auto"`` emulates them (fp32 compute on fp32 copies of the
+            half inputs, outputs rounded to half) exactly where
+            :func:`amp_patch.cpu_half_support` reports the host not native;
+            ``"native"`` never emulates; ``"emulate"`` always does.
     """
 
     opt_level: str = "O1"
@@ -70,6 +77,7 @@ class Properties:
     max_loss_scale: float = 2.0**24
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
     enabled: bool = True
+    cpu_half_compute: str = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalisation of a frozen instance, before anyone sees it
@@ -83,6 +91,7 @@ class Properties:
             raise ValueError(
                 f"half_dtype must be torch.float16 or torch.bfloat16, got {self.half_dtype!r}"
             )
+        check_cpu_half_mode(self.cpu_half_compute)
         set_(self, "keep_batchnorm_fp32", _parse_optional_bool(self.keep_batchnorm_fp32))
         set_(self, "loss_scale", _parse_loss_scale(self.loss_scale))
         if not (self.cast_model_type is None or self.cast_model_type is False
@@ -197,7 +206,7 @@ class Properties:
         """A multi-line, human-readable account of the settings, for logging."""
         lines = [f"Selected optimization level {self.opt_level} (half dtype {self.half_dtype})"]
         for name in ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
-                     "keep_batchnorm_fp32", "master_weights", "loss_scale"):
+                     "keep_batchnorm_fp32", "master_weights", "loss_scale", "cpu_half_compute"):
             lines.append(f"  {name:<22}: {getattr(self, name)}")
         return "\n".join(lines)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
+    from amp_patch.cpu_half import CpuHalfPlan
     from amp_patch.optim import OptimizerRecord
     from amp_patch.patching.state import CastState
     from amp_patch.properties import Properties
@@ -46,6 +47,8 @@ class AmpSession:
         scale_loss_open (bool): True inside a :func:`amp_patch.scale_loss` block
             (they cannot be nested).
         serial (int): this session's number in the process, for messages.
+        cpu_half (CpuHalfPlan or None): how half matmuls run on the CPU
+            (:mod:`amp_patch.cpu_half`); None when nothing computes in half there.
     """
 
     def __init__(self, props: "Properties", models: list[torch.nn.Module],
@@ -58,6 +61,7 @@ class AmpSession:
         self.scalers: list[LossScaler] = []
         self.scale_loss_open = False
         self.serial = next(_serials)
+        self.cpu_half: CpuHalfPlan | None = None
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self.closed = False
 
