@@ -123,7 +123,8 @@ import amp_patch
 nn = torch.nn
 # No optimizer: building one would import torch._dynamo before the session.
 model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
-amp_patch.initialize(model, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+amp_patch.initialize(model, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0,
+                     cpu_half_compute=sys.argv[1])
 assert "torch._dynamo" not in sys.modules
 import torch._dynamo  # first imported inside the session, as torch.compile would
 explained = torch._dynamo.explain(lambda x: model(x).float().sum())(torch.randn(2, 3, 6, 6))
@@ -134,13 +135,28 @@ print(explained.graph_count, explained.graph_break_count,
 """
 
 
-def test_dynamo_first_imported_inside_a_session():
+# "emulate": the CPU half emulation's wrappers sit under O1's (patched first).
+@pytest.mark.parametrize("cpu_half", ["native", "emulate"])
+def test_dynamo_first_imported_inside_a_session(cpu_half):
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, "-c", _FIRST_IMPORT_IN_SESSION], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _FIRST_IMPORT_IN_SESSION, cpu_half],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["1", "0", "True"]
+
+
+@pytest.mark.parametrize("cpu_half", ["native", "emulate"])
+def test_o1_over_cpu_half_emulation_traces_in_one_graph(cpu_half):
+    w = _workload("convnet")
+    model, _ = amp_patch.initialize(w.model, w.optimizer, opt_level="O1", half_dtype=HALF,
+                                    verbosity=0, cpu_half_compute=cpu_half)
+    batch = w.batch_fn(0)
+    eager = w.loss_fn(model, batch)
+    explained = torch._dynamo.explain(lambda b: w.loss_fn(model, b))(batch)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(lambda b: w.loss_fn(model, b), backend="aot_eager")(batch)
+    torch.testing.assert_close(compiled, eager)
 
 
 def test_rules_rebuilt_inside_a_session_are_cleaned(wrapper_path):

@@ -57,9 +57,7 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
                       enable_caching=enable_caching)
     patcher = Patcher()
     state.patches = patcher
-    # torch.compile must keep knowing torch's own functions (see patching/dynamo.py).
-    _DYNAMO_RULES.ensure_clean()
-    _DYNAMO_RULES.watch_import(lambda: getattr(active(), "patches", None))
+    dynamo_rules = None  # dynamo's maps once the patches are in (see patching/dynamo.py)
 
     def undo() -> None:
         try:
@@ -67,7 +65,7 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
         finally:
             state.cache.clear()
             session.casts = None
-            _DYNAMO_RULES.ensure_clean()
+            _DYNAMO_RULES.drop_if_rebuilt(dynamo_rules)
 
     session.casts = state
     session.on_close("O1 patches", undo)
@@ -94,6 +92,9 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
         owner = getattr(entry.target, "__name__", type(entry.target).__name__)
         if not patcher.patch(entry.target, entry.name, wrap(entry.policy, f"{owner}.{entry.name}", None)):
             logger.warning("amp_patch: registered %s.%s no longer exists; not patched", owner, entry.name)
+    # torch.compile must keep knowing the functions O1 wraps (see patching/dynamo.py).
+    dynamo_rules = _DYNAMO_RULES.snapshot(patcher)
+    _DYNAMO_RULES.watch_import(lambda: getattr(active(), "patches", None))
     logger.debug("amp_patch O1: %d functions and methods patched (half dtype %s)",
                  len(patcher), state.half_dtype)
     return patcher

@@ -4,24 +4,25 @@ Dynamo decides how to trace a callable by looking it up in maps keyed by
 torch's function objects (``torch.layer_norm`` -> an op to put in the graph),
 which it builds once, from whatever the attributes of ``torch`` hold at that
 moment, and caches for the process. Built while O1's wrappers are installed,
-the maps hold the wrappers in place of torch's own functions: the traced
+the maps hold the wrappers in place of the functions they wrap: the traced
 wrappers then call functions that dynamo no longer recognises, and every
 such call breaks the graph; and a map built in one session keeps that
 session's wrappers for the next.
 
-So the maps are kept built from torch's own functions: checked (and rebuilt
-if dynamo built them anew) before O1 patches and after the patches are
-undone, and rebuilt when dynamo is first imported while the patches are
-installed, with the originals shown for the moment of the rebuild
-(:meth:`Patcher.showing_originals`). During a session dynamo then meets the
-wrappers as functions it does not know and traces them (the C wrappers
-through their Python equivalent), and what they call is torch's own
-functions, which it does know.
+So the maps are built from torch's own functions: if dynamo is loaded and
+has not built them when O1 installs, and again if dynamo is first imported
+while the patches are installed, each time with the patched attributes
+showing what they wrap, below every amp_patch wrapper
+(:meth:`~amp_patch.patching.patcher.Patcher.showing_originals`); and after
+the patches are undone, maps that dynamo rebuilt meanwhile are dropped.
+During a session dynamo then meets amp_patch's wrappers as functions it does
+not know and traces them (the C wrappers through their Python equivalent,
+the CPU half emulation's as they are), down to torch's functions, which it
+knows.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from typing import Any, Callable
@@ -35,20 +36,18 @@ __all__ = ["DynamoRules", "RULES"]
 logger = logging.getLogger("amp_patch")
 
 _TRACE_RULES = "torch._dynamo.trace_rules"
-#: Dynamo's caches keyed by torch's objects (torch 2.13's trace_rules).
+#: Dynamo's caches keyed by torch's objects (torch 2.13's trace_rules), each a functools.cache.
 _BUILDERS = ("get_torch_obj_rule_map", "get_tensor_method")
 
 
 class DynamoRules:
-    """Dynamo's object-keyed trace-rule caches, as O1 keeps them (process-wide, as they are).
+    """Dynamo's object-keyed trace-rule caches, as O1 keeps them.
 
-    Attributes:
-        clean (tuple or None): the cached maps last built from torch's own
-            functions (held, so that a rebuilt map can never be mistaken for them).
+    There is one instance, :data:`RULES`, because dynamo's caches are per
+    process; it only remembers whether its import hook is registered.
     """
 
     def __init__(self) -> None:
-        self.clean: tuple | None = None
         self._watching = False
 
     @staticmethod
@@ -59,24 +58,54 @@ class DynamoRules:
         return [getattr(rules, n) for n in _BUILDERS
                 if hasattr(getattr(rules, n, None), "cache_clear")]
 
-    def _rebuild(self, builders: list, patcher: Patcher | None) -> None:
-        for build in builders:
-            build.cache_clear()
-        with patcher.showing_originals() if patcher is not None else contextlib.nullcontext():
-            self.clean = tuple(build() for build in builders)
+    def snapshot(self, patcher: Patcher) -> tuple | None:
+        """Dynamo's maps, built now from torch's own functions if they are not built.
 
-    def ensure_clean(self) -> None:
-        """With torch unpatched: rebuild the maps if dynamo built them since they were last clean.
+        Call it once O1's patches are installed: a missing map is built with
+        the patches (and any amp_patch patch set under them) shown as what
+        they wrap.
 
-        A no-op without dynamo loaded, and when the maps are the clean ones.
+        Args:
+            patcher (Patcher): the installed O1 patches.
+
+        Returns:
+            tuple or None: the maps, for :meth:`drop_if_rebuilt`; None without dynamo.
         """
         builders = self._builders()
-        if builders and (self.clean is None or len(self.clean) != len(builders)
-                         or not all(b() is c for b, c in zip(builders, self.clean))):
-            self._rebuild(builders, None)
+        if not builders:
+            return None
+        if not all(b.cache_info().currsize for b in builders):
+            self._rebuild(builders, patcher)
+        return tuple(build() for build in builders)
+
+    @staticmethod
+    def _rebuild(builders: list, patcher: Patcher) -> None:
+        for build in builders:
+            build.cache_clear()
+        with patcher.showing_originals():
+            for build in builders:
+                build()
+
+    def drop_if_rebuilt(self, snapshot: tuple | None) -> None:
+        """After O1's patches are undone: drop the maps that dynamo built since ``snapshot``.
+
+        Dynamo builds them again, from torch as it then is, when it next needs them.
+
+        Args:
+            snapshot (tuple or None): what :meth:`snapshot` returned before the patches.
+        """
+        builders = self._builders()
+        cached = [b for b in builders if b.cache_info().currsize]
+        if not cached:
+            return
+        if snapshot is not None and len(snapshot) == len(builders) and all(
+                b() is s for b, s in zip(builders, snapshot)):
+            return
+        for build in builders:
+            build.cache_clear()
 
     def watch_import(self, current_patcher: Callable[[], Patcher | None]) -> None:
-        """Rebuild the maps from the originals if dynamo is first imported while O1 is installed.
+        """Rebuild the maps from the wrapped functions if dynamo is first imported during a session.
 
         Registers (once per process) a hook on the import of ``torch._dynamo``.
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import wrapt
 
-__all__ = ["Patcher", "PatchRecord"]
+__all__ = ["Patcher", "PatchRecord", "unwrapped"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -78,11 +78,14 @@ class Patcher:
 
     @contextlib.contextmanager
     def showing_originals(self) -> Iterator[None]:
-        """Put every original back for the duration of the block, then the patches again.
+        """Show torch's own functions on the patched attributes for the duration of the block.
 
-        For code that must see torch as it is without the patches (see
-        :mod:`amp_patch.patching.dynamo`). Not thread-safe: other threads see
-        the originals meanwhile.
+        Each attribute gets its original with every amp_patch wrapper peeled
+        off (:func:`unwrapped`: another patch set installed before this one,
+        such as the CPU half emulation, is under it), then the patches are
+        put back. For code that must see torch without amp_patch (see
+        :mod:`amp_patch.patching.dynamo`). Not thread-safe: other threads
+        see the originals meanwhile.
 
         Example::
 
@@ -91,7 +94,7 @@ class Patcher:
         """
         installed = [vars(r.parent)[r.name] for r in self.records]
         for record in reversed(self.records):
-            _restore(record)
+            _restore(record._replace(original=unwrapped(record.original)))
         try:
             yield
         finally:
@@ -113,6 +116,29 @@ class Patcher:
                 failures.append(f"{_describe(record.parent)}.{record.name}: {exc!r}")
         if failures:
             raise RuntimeError("could not restore " + "; ".join(failures))
+
+
+def unwrapped(obj: Any) -> Any:
+    """``obj`` with amp_patch's wrappers peeled off.
+
+    An amp_patch wrapper keeps what it wraps as ``__wrapped__`` and carries
+    an attribute of its own named ``_amp_patch_*`` (the O1 wrappers'
+    ``_amp_patch_policy``, the CPU half emulation's ``_amp_patch_cpu_half``);
+    ``__wrapped__`` is followed through those only, so a torch function that
+    is itself a ``functools.wraps`` wrapper stays as it is.
+
+    Args:
+        obj: any attribute value.
+
+    Returns:
+        the innermost object that is not an amp_patch wrapper.
+    """
+    while True:
+        own = getattr(obj, "__dict__", None)
+        if not (isinstance(own, dict) and "__wrapped__" in own
+                and any(k.startswith("_amp_patch_") for k in own)):
+            return obj
+        obj = own["__wrapped__"]
 
 
 def _restore(record: PatchRecord) -> None:
