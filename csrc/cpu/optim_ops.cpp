@@ -1,0 +1,539 @@
+// CPU kernels of the fused optimizer ops (schemas and reference bodies: the
+// optimizer block at the end of amp_patch/ops.py).
+//
+// One call updates many tensors. Its lists (grads, params, moments, the
+// optional half model copies) are lined up into rows, one per tensor index, of
+// flat memory. The concatenation of all rows is cut into tasks of equal size
+// that the threads take from a shared counter, as multi_tensor_ops.cpp does.
+// Within a task each row is walked in tiles: fp32 tensors are handed to the
+// loops where they lie, fp16/bf16 ones are widened into a stack tile first and
+// narrowed back after, so a tile is read from memory once and written once.
+//
+// A set `noop` flag (Apex's noop_gmem, amp_patch's found_inf) makes an op
+// return before it writes anything, so a skipped step never half-applies.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <deque>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cpu/kernel_table.h"
+#include "cpu/optim_table.h"
+
+#if AT_PARALLEL_OPENMP && defined(__linux__) && !defined(_OPENMP)
+#error "amp_patch's CPU kernels must be compiled with -fopenmp, or they run on one thread"
+#endif
+
+namespace amp_patch::cpu {
+
+const OptimTable& optim_kernels() {
+  // Follow the loss-scaling kernels' choice, which honours ATEN_CPU_CAPABILITY.
+  static const OptimTable table = [] {
+    const std::string& isa = kernel_capability();
+    if (isa == "AVX512") {
+      return AVX512::optim_table();
+    }
+    if (isa == "AVX2") {
+      return AVX2::optim_table();
+    }
+    return DEFAULT::optim_table();
+  }();
+  return table;
+}
+
+namespace {
+
+constexpr int kMaxLists = 5;
+// Elements per parallel task (see multi_tensor_ops.cpp for the trade-off).
+constexpr int64_t kTaskElems = 32768;
+// Elements per tile: five fp32 tiles (20 KB) stay in L1 between the widening,
+// the update and the narrowing.
+constexpr int64_t kTile = 1024;
+
+// What an op does with one of its lists.
+enum class Use : uint8_t {
+  kAbsent,   // not part of this call (an empty optional list, unused momentum)
+  kChecked,  // validated like the others but not touched (not needed by this call)
+  kRead,
+  kUpdate,  // read and written in place
+  kCopyOut, // written only: the final fp32 values of list `copy_of` (half model params)
+};
+
+struct ListArg {
+  const char* name;
+  at::TensorList tensors;
+  Use use;
+};
+
+// Tensor i of every list, as flat memory of numel elements.
+struct Row {
+  std::array<void*, kMaxLists> ptr{};
+  std::array<Dt, kMaxLists> dt{};
+  int64_t numel = 0;
+};
+
+// A piece of one row: elements [begin, end).
+struct Piece {
+  int64_t row;
+  int64_t begin;
+  int64_t end;
+};
+
+Dt element_type(const at::Tensor& t, const char* op, const char* list, size_t i) {
+  const at::ScalarType st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "amp_patch::", op, ": ",
+              list, "[", i, "] has dtype ", st,
+              "; the optimizer kernels take float32, float16 and bfloat16");
+  return st == at::kFloat ? kF32 : (st == at::kHalf ? kF16 : kBF16);
+}
+
+char* at_element(void* base, Dt dt, int64_t i) {
+  return static_cast<char*>(base) + i * (dt == kF32 ? 4 : 2);
+}
+
+// A one-element flag or scale tensor on the CPU, read once by the host.
+float read_one(const at::Tensor& t, const char* op, const char* what, bool allow_int) {
+  TORCH_CHECK(t.device().is_cpu(), "amp_patch::", op, ": ", what, " is on ", t.device(),
+              "; the CPU kernel needs it on the CPU");
+  const bool is_int = allow_int && t.scalar_type() == at::kInt;
+  TORCH_CHECK(t.numel() == 1 && (t.scalar_type() == at::kFloat || is_int), "amp_patch::", op, ": ",
+              what, " must be a one-element float32", allow_int ? " or int32" : "",
+              " tensor, got ", t.scalar_type(), " with ", t.numel(), " elements");
+  return is_int ? static_cast<float>(*t.const_data_ptr<int32_t>()) : *t.const_data_ptr<float>();
+}
+
+bool step_skipped(const std::optional<at::Tensor>& noop, const char* op) {
+  return noop.has_value() && read_one(*noop, op, "noop", /*allow_int=*/true) != 0.0f;
+}
+
+float scale_or_one(const std::optional<at::Tensor>& inv_scale, const char* op) {
+  return inv_scale.has_value() ? read_one(*inv_scale, op, "inv_scale", /*allow_int=*/false) : 1.0f;
+}
+
+float f32(double x) {
+  return static_cast<float>(x);
+}
+
+// 1 - beta^step in float64, rounded once (Apex's host-side bias correction).
+float bias_correction(float beta, int64_t step, bool enabled) {
+  return enabled ? f32(1.0 - std::pow(static_cast<double>(beta), static_cast<double>(step))) : 1.0f;
+}
+
+// The rows and tasks of one call, with the contiguous stand-ins for tensors
+// whose elements cannot be walked as one run in the same order as the others.
+class RowPlan {
+ public:
+  RowPlan(const char* op, std::vector<ListArg> lists) : op_(op), lists_(std::move(lists)) {
+    TORCH_INTERNAL_ASSERT(!lists_.empty() && lists_.size() <= kMaxLists);
+    const size_t n = lists_[0].tensors.size();
+    for (const ListArg& l : lists_) {
+      TORCH_CHECK(l.use == Use::kAbsent || l.tensors.size() == n, "amp_patch::", op,
+                  ": list lengths differ (", lists_[0].name, " has ", n, ", ", l.name, " has ",
+                  l.tensors.size(), ")");
+    }
+    rows_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      add_row(i);
+    }
+    cut_tasks();
+  }
+
+  const std::vector<Row>& rows() const { return rows_; }
+  const std::vector<Piece>& pieces() const { return pieces_; }
+  Use use(int k) const { return lists_[k].use; }
+  int lists() const { return static_cast<int>(lists_.size()); }
+
+  // Runs f(piece_index, piece) over every piece, the tasks spread over the threads.
+  template <typename F>
+  void run(const F& f) const {
+    const int64_t ntasks = static_cast<int64_t>(task_first_.size()) - 1;
+    std::atomic<int64_t> next{0};
+    auto worker = [&](int64_t, int64_t) {
+      for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
+        for (int64_t s = task_first_[t]; s < task_first_[t + 1]; ++s) {
+          f(s, pieces_[s]);
+        }
+      }
+    };
+    const int64_t threads = std::min<int64_t>(ntasks, at::get_num_threads());
+    if (threads <= 1) {
+      worker(0, 1);
+    } else {
+      at::parallel_for(0, threads, 1, worker);
+    }
+  }
+
+  // Copies the stand-ins of written tensors back into the caller's tensors.
+  void finish() {
+    for (auto& [user, stand_in] : write_back_) {
+      user.copy_(stand_in);
+    }
+  }
+
+ private:
+  void add_row(size_t i) {
+    Row& row = rows_[i];
+    const at::Tensor& lead = lists_[0].tensors[i];
+    row.numel = lead.numel();
+    bool flat = true;
+    for (size_t k = 0; k < lists_.size(); ++k) {
+      const ListArg& l = lists_[k];
+      if (l.use == Use::kAbsent) {
+        continue;
+      }
+      const at::Tensor& t = l.tensors[i];
+      TORCH_CHECK(t.device().is_cpu(), "amp_patch::", op_, ": ", l.name, "[", i, "] is on ",
+                  t.device(), "; the CPU kernel needs every tensor on the CPU");
+      TORCH_CHECK(t.sizes() == lead.sizes(), "amp_patch::", op_, ": ", l.name, "[", i,
+                  "] has shape ", t.sizes(), " but ", lists_[0].name, "[", i, "] has ",
+                  lead.sizes());
+      row.dt[k] = element_type(t, op_, l.name, i);
+      if (l.use != Use::kChecked) {
+        flat = flat && t.is_non_overlapping_and_dense() && t.strides() == lead.strides();
+      }
+    }
+    if (row.numel == 0) {
+      return;
+    }
+    for (size_t k = 0; k < lists_.size(); ++k) {
+      const ListArg& l = lists_[k];
+      if (l.use == Use::kAbsent || l.use == Use::kChecked) {
+        continue;
+      }
+      const at::Tensor& t = l.tensors[i];
+      if (flat || t.is_contiguous()) {
+        row.ptr[k] = t.data_ptr();
+        continue;
+      }
+      // Slow path: the row's tensors disagree on layout, so each one that is
+      // not contiguous is replaced by a contiguous stand-in.
+      at::Tensor stand_in = l.use == Use::kCopyOut ? at::empty(t.sizes(), t.options()) : t.contiguous();
+      if (l.use != Use::kRead) {
+        write_back_.emplace_back(t, stand_in);
+      }
+      kept_.push_back(stand_in);
+      row.ptr[k] = kept_.back().data_ptr();
+    }
+  }
+
+  void cut_tasks() {
+    task_first_.push_back(0);
+    int64_t room = kTaskElems;
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      for (int64_t at = 0; at < rows_[r].numel;) {
+        const int64_t len = std::min(room, rows_[r].numel - at);
+        pieces_.push_back({static_cast<int64_t>(r), at, at + len});
+        at += len;
+        room -= len;
+        if (room == 0) {
+          task_first_.push_back(static_cast<int64_t>(pieces_.size()));
+          room = kTaskElems;
+        }
+      }
+    }
+    if (task_first_.back() != static_cast<int64_t>(pieces_.size())) {
+      task_first_.push_back(static_cast<int64_t>(pieces_.size()));
+    }
+  }
+
+  const char* op_;
+  std::vector<ListArg> lists_;
+  std::vector<Row> rows_;
+  std::vector<Piece> pieces_;
+  std::vector<int64_t> task_first_;
+  std::deque<at::Tensor> kept_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
+};
+
+// Walks elements [begin, end) of one row in tiles and calls
+// update(float* const* f, n), where f[k] is list k's tile as fp32 (null for
+// absent and copy-out lists). Afterwards updated half tiles are narrowed back,
+// and a copy-out list receives the final values of list `copy_of`.
+template <typename Update>
+void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, int copy_of,
+               Update&& update) {
+  const KernelTable& conv = kernels();
+  const int nl = plan.lists();
+  alignas(64) float scratch[kMaxLists][kTile];
+  for (int64_t b = begin; b < end; b += kTile) {
+    const int64_t n = std::min(kTile, end - b);
+    float* f[kMaxLists] = {};
+    for (int k = 0; k < nl; ++k) {
+      const Use use = plan.use(k);
+      if (use != Use::kRead && use != Use::kUpdate) {
+        continue;
+      }
+      if (row.dt[k] == kF32) {
+        f[k] = reinterpret_cast<float*>(at_element(row.ptr[k], kF32, b));
+      } else {
+        conv.copy[row.dt[k]][kF32](at_element(row.ptr[k], row.dt[k], b), scratch[k], n);
+        f[k] = scratch[k];
+      }
+    }
+    update(static_cast<float* const*>(f), n);
+    for (int k = 0; k < nl; ++k) {
+      const Use use = plan.use(k);
+      if (use == Use::kUpdate && row.dt[k] != kF32) {
+        conv.copy[kF32][row.dt[k]](scratch[k], at_element(row.ptr[k], row.dt[k], b), n);
+      } else if (use == Use::kCopyOut) {
+        conv.copy[kF32][row.dt[k]](f[copy_of], at_element(row.ptr[k], row.dt[k], b), n);
+      }
+    }
+  }
+}
+
+// Runs an elementwise update over every tile of the call, unless noop is set.
+template <typename Update>
+void run_elementwise(RowPlan& plan, bool skip, int copy_of, const Update& update) {
+  if (skip) {
+    return;
+  }
+  const auto& rows = plan.rows();
+  plan.run([&](int64_t, const Piece& pc) {
+    const Row& row = rows[pc.row];
+    for_tiles(plan, row, pc.begin, pc.end, copy_of, [&](float* const* f, int64_t n) {
+      update(pc.row, f, n);
+    });
+  });
+  plan.finish();
+}
+
+Use optional_out(at::TensorList model_params) {
+  return model_params.empty() ? Use::kAbsent : Use::kCopyOut;
+}
+
+void adam_cpu(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+              at::TensorList exp_avg_sqs, at::TensorList model_params,
+              const std::optional<at::Tensor>& noop, const std::optional<at::Tensor>& inv_scale,
+              double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+              bool adam_w_mode, bool bias_correction_on) {
+  constexpr const char* op = "multi_tensor_adam_";
+  RowPlan plan(op, {{"grads", grads, Use::kRead},
+                    {"params", params, Use::kUpdate},
+                    {"exp_avgs", exp_avgs, Use::kUpdate},
+                    {"exp_avg_sqs", exp_avg_sqs, Use::kUpdate},
+                    {"model_params", model_params, optional_out(model_params)}});
+  const float b1 = f32(beta1), b2 = f32(beta2);
+  const optim::AdamHyper h{scale_or_one(inv_scale, op),
+                           f32(lr),
+                           b1,
+                           b2,
+                           1.0f - b1,
+                           1.0f - b2,
+                           f32(eps),
+                           f32(weight_decay),
+                           bias_correction(b1, step, bias_correction_on),
+                           bias_correction(b2, step, bias_correction_on),
+                           adam_w_mode};
+  const OptimTable& k = optim_kernels();
+  run_elementwise(plan, step_skipped(noop, op), 1, [&](int64_t, float* const* f, int64_t n) {
+    k.adam(f[0], f[1], f[2], f[3], n, h);
+  });
+}
+
+void sgd_cpu(at::TensorList grads, at::TensorList params, at::TensorList momentum_buffers,
+             at::TensorList model_params, const std::optional<at::Tensor>& noop,
+             const std::optional<at::Tensor>& inv_scale, double lr, double weight_decay,
+             double momentum, double dampening, bool nesterov, bool first_run,
+             bool wd_after_momentum) {
+  constexpr const char* op = "multi_tensor_sgd_";
+  const bool with_momentum = momentum != 0.0;
+  TORCH_CHECK(!with_momentum || momentum_buffers.size() == grads.size(), "amp_patch::", op,
+              ": momentum is ", momentum, " but momentum_buffers has ", momentum_buffers.size(),
+              " tensors for ", grads.size(), " grads");
+  RowPlan plan(op, {{"grads", grads, Use::kRead},
+                    {"params", params, Use::kUpdate},
+                    {"momentum_buffers", momentum_buffers, with_momentum ? Use::kUpdate : Use::kAbsent},
+                    {"model_params", model_params, optional_out(model_params)}});
+  const optim::SgdHyper h{scale_or_one(inv_scale, op), f32(lr), f32(weight_decay), f32(momentum),
+                          1.0f - f32(dampening), nesterov, first_run, wd_after_momentum};
+  const OptimTable& k = optim_kernels();
+  run_elementwise(plan, step_skipped(noop, op), 1, [&](int64_t, float* const* f, int64_t n) {
+    k.sgd(f[0], f[1], f[2], n, h);
+  });
+}
+
+void adagrad_cpu(at::TensorList grads, at::TensorList params, at::TensorList state_sums,
+                 at::TensorList model_params, const std::optional<at::Tensor>& noop,
+                 const std::optional<at::Tensor>& inv_scale, double lr, double eps,
+                 double weight_decay, bool adagrad_w_mode) {
+  constexpr const char* op = "multi_tensor_adagrad_";
+  RowPlan plan(op, {{"grads", grads, Use::kRead},
+                    {"params", params, Use::kUpdate},
+                    {"state_sums", state_sums, Use::kUpdate},
+                    {"model_params", model_params, optional_out(model_params)}});
+  const optim::AdagradHyper h{scale_or_one(inv_scale, op), f32(lr), f32(eps), f32(weight_decay),
+                              adagrad_w_mode};
+  const OptimTable& k = optim_kernels();
+  run_elementwise(plan, step_skipped(noop, op), 1, [&](int64_t, float* const* f, int64_t n) {
+    k.adagrad(f[0], f[1], f[2], n, h);
+  });
+}
+
+// A per-tensor vector (NovoGrad's grad norms, LAMB's norms) on the CPU.
+const float* per_tensor(const at::Tensor& t, size_t n, const char* op, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 &&
+                  static_cast<size_t>(t.numel()) == n && t.is_contiguous(),
+              "amp_patch::", op, ": ", what, " must be a contiguous 1-D float32 CPU tensor of ", n,
+              " elements (one per tensor), got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
+              t.device());
+  return t.const_data_ptr<float>();
+}
+
+void novograd_cpu(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+                  const at::Tensor& grad_norms, at::TensorList model_params,
+                  const std::optional<at::Tensor>& noop, const std::optional<at::Tensor>& inv_scale,
+                  double lr, double beta1, double beta2, double eps, double weight_decay,
+                  int64_t step, bool bias_correction_on, bool grad_averaging,
+                  bool reg_inside_moment) {
+  constexpr const char* op = "multi_tensor_novograd_";
+  RowPlan plan(op, {{"grads", grads, Use::kRead},
+                    {"params", params, Use::kUpdate},
+                    {"exp_avgs", exp_avgs, Use::kUpdate},
+                    {"model_params", model_params, optional_out(model_params)}});
+  const float* norms = per_tensor(grad_norms, grads.size(), op, "grad_norms");
+  const float b1 = f32(beta1);
+  // NovoGrad's second moment is a norm, not a square: its correction is a square root.
+  const float bc2 = bias_correction_on
+      ? f32(std::sqrt(1.0 - std::pow(static_cast<double>(f32(beta2)), static_cast<double>(step))))
+      : 1.0f;
+  const optim::NovoGradHyper h{scale_or_one(inv_scale, op), f32(lr), b1,
+                               grad_averaging ? 1.0f - b1 : 1.0f, f32(weight_decay),
+                               bias_correction(b1, step, bias_correction_on), reg_inside_moment};
+  const float e = f32(eps);
+  std::vector<float> denom(grads.size());
+  for (size_t i = 0; i < denom.size(); ++i) {
+    denom[i] = norms[i] / bc2 + e;
+  }
+  const OptimTable& k = optim_kernels();
+  run_elementwise(plan, step_skipped(noop, op), 1, [&](int64_t r, float* const* f, int64_t n) {
+    k.novograd(f[0], f[1], f[2], n, denom[r], h);
+  });
+}
+
+optim::LambHyper lamb_hyper(const std::optional<at::Tensor>& inv_scale, float clip, double beta1,
+                            double beta2, double eps, double weight_decay, int64_t step,
+                            bool bias_correction_on, bool grad_averaging, bool adam_w_mode,
+                            const char* op) {
+  const float b1 = f32(beta1), b2 = f32(beta2);
+  return {scale_or_one(inv_scale, op),
+          clip,
+          b1,
+          b2,
+          grad_averaging ? 1.0f - b1 : 1.0f,
+          1.0f - b2,
+          f32(eps),
+          f32(weight_decay),
+          bias_correction(b1, step, bias_correction_on),
+          bias_correction(b2, step, bias_correction_on),
+          adam_w_mode};
+}
+
+bool lamb_needs_norms(double weight_decay, bool use_nvlamb) {
+  return use_nvlamb || weight_decay != 0.0;
+}
+
+std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
+    at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+    at::TensorList exp_avg_sqs, const std::optional<at::Tensor>& noop,
+    const std::optional<at::Tensor>& inv_scale, const at::Tensor& global_grad_norm,
+    double max_grad_norm, double beta1, double beta2, double eps, double weight_decay,
+    int64_t step, bool bias_correction_on, bool grad_averaging, bool adam_w_mode,
+    bool use_nvlamb) {
+  constexpr const char* op = "multi_tensor_lamb_stage1_";
+  const bool norms_wanted = lamb_needs_norms(weight_decay, use_nvlamb);
+  // p is read only for weight decay or the trust ratio.
+  RowPlan plan(op, {{"grads", grads, Use::kRead},
+                    {"params", params, norms_wanted ? Use::kRead : Use::kChecked},
+                    {"exp_avgs", exp_avgs, Use::kUpdate},
+                    {"exp_avg_sqs", exp_avg_sqs, Use::kUpdate}});
+  const float s = scale_or_one(inv_scale, op);
+  const float norm = read_one(global_grad_norm, op, "global_grad_norm", false) * s;
+  const float max_norm = f32(max_grad_norm);
+  const float clip = max_norm > 0.0f && norm > max_norm ? norm / max_norm : 1.0f;
+  const optim::LambHyper h = lamb_hyper(inv_scale, clip, beta1, beta2, eps, weight_decay, step,
+                                        bias_correction_on, grad_averaging, adam_w_mode, op);
+
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat);
+  const int64_t n = static_cast<int64_t>(grads.size());
+  at::Tensor param_norms = at::zeros({n}, fp32);
+  at::Tensor update_norms = at::zeros({n}, fp32);
+  if (step_skipped(noop, op)) {
+    return {param_norms, update_norms};
+  }
+  // One pair of partial sums per piece, added per tensor in piece order: the
+  // result does not depend on the thread count.
+  std::vector<std::array<double, 2>> partial(plan.pieces().size(), {0.0, 0.0});
+  const OptimTable& k = optim_kernels();
+  const auto& rows = plan.rows();
+  plan.run([&](int64_t s_idx, const Piece& pc) {
+    for_tiles(plan, rows[pc.row], pc.begin, pc.end, -1, [&](float* const* f, int64_t len) {
+      k.lamb_moments(f[0], f[1], f[2], f[3], len, h, partial[s_idx].data());
+    });
+  });
+  plan.finish();
+  std::vector<std::array<double, 2>> sums(grads.size(), {0.0, 0.0});
+  for (size_t i = 0; i < partial.size(); ++i) {
+    sums[plan.pieces()[i].row][0] += partial[i][0];
+    sums[plan.pieces()[i].row][1] += partial[i][1];
+  }
+  float* pn = param_norms.mutable_data_ptr<float>();
+  float* un = update_norms.mutable_data_ptr<float>();
+  for (size_t i = 0; i < sums.size(); ++i) {
+    pn[i] = static_cast<float>(std::sqrt(sums[i][0]));
+    un[i] = static_cast<float>(std::sqrt(sums[i][1]));
+  }
+  return {param_norms, update_norms};
+}
+
+void lamb_stage2_cpu(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                     const at::Tensor& param_norms, const at::Tensor& update_norms,
+                     at::TensorList model_params, const std::optional<at::Tensor>& noop,
+                     double lr, double beta1, double beta2, double eps, double weight_decay,
+                     int64_t step, bool bias_correction_on, bool adam_w_mode, bool use_nvlamb) {
+  constexpr const char* op = "multi_tensor_lamb_stage2_";
+  RowPlan plan(op, {{"params", params, Use::kUpdate},
+                    {"exp_avgs", exp_avgs, Use::kRead},
+                    {"exp_avg_sqs", exp_avg_sqs, Use::kRead},
+                    {"model_params", model_params, optional_out(model_params)}});
+  const float* pn = per_tensor(param_norms, params.size(), op, "param_norms");
+  const float* un = per_tensor(update_norms, params.size(), op, "update_norms");
+  const optim::LambHyper h = lamb_hyper(std::nullopt, 1.0f, beta1, beta2, eps, weight_decay, step,
+                                        bias_correction_on, /*grad_averaging=*/true, adam_w_mode, op);
+  const float lr32 = f32(lr);
+  std::vector<float> ratio(params.size(), lr32);
+  if (lamb_needs_norms(weight_decay, use_nvlamb)) {
+    for (size_t i = 0; i < ratio.size(); ++i) {
+      if (pn[i] != 0.0f && un[i] != 0.0f) {
+        ratio[i] = lr32 * (pn[i] / un[i]);
+      }
+    }
+  }
+  const OptimTable& k = optim_kernels();
+  run_elementwise(plan, step_skipped(noop, op), 0, [&](int64_t r, float* const* f, int64_t n) {
+    k.lamb_apply(f[0], f[1], f[2], n, ratio[r], h);
+  });
+}
+
+}  // namespace
+}  // namespace amp_patch::cpu
+
+TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
+  m.impl("multi_tensor_adam_", &amp_patch::cpu::adam_cpu);
+  m.impl("multi_tensor_sgd_", &amp_patch::cpu::sgd_cpu);
+  m.impl("multi_tensor_adagrad_", &amp_patch::cpu::adagrad_cpu);
+  m.impl("multi_tensor_novograd_", &amp_patch::cpu::novograd_cpu);
+  m.impl("multi_tensor_lamb_stage1_", &amp_patch::cpu::lamb_stage1_cpu);
+  m.impl("multi_tensor_lamb_stage2_", &amp_patch::cpu::lamb_stage2_cpu);
+}
