@@ -18,6 +18,7 @@
 // they are plain data so that a CUDA op can carry them in its kernel arguments.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -27,6 +28,21 @@
 #endif
 
 namespace amp_patch::optim {
+
+// Host side: 1 - beta^step in float64, rounded once to fp32, as Apex's host
+// code computes its bias corrections (and the reference ops do).
+inline float bias_correction(float beta, int64_t step, bool enabled) {
+  return enabled
+      ? static_cast<float>(1.0 - std::pow(static_cast<double>(beta), static_cast<double>(step)))
+      : 1.0f;
+}
+
+// NovoGrad's second moment is a norm, not a square: its correction is the square root.
+inline float norm_bias_correction(float beta, int64_t step, bool enabled) {
+  return enabled ? static_cast<float>(std::sqrt(
+                       1.0 - std::pow(static_cast<double>(beta), static_cast<double>(step))))
+                 : 1.0f;
+}
 
 struct AdamHyper {
   float inv_scale;

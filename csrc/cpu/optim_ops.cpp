@@ -74,6 +74,7 @@ struct ListArg {
   const char* name;
   at::TensorList tensors;
   Use use;
+  int copy_of = -1;  // for kCopyOut: the list whose updated values it receives
 };
 
 // Tensor i of every list, as flat memory of numel elements.
@@ -125,11 +126,6 @@ float f32(double x) {
   return static_cast<float>(x);
 }
 
-// 1 - beta^step in float64, rounded once (Apex's host-side bias correction).
-float bias_correction(float beta, int64_t step, bool enabled) {
-  return enabled ? f32(1.0 - std::pow(static_cast<double>(beta), static_cast<double>(step))) : 1.0f;
-}
-
 // The rows and tasks of one call, with the contiguous stand-ins for tensors
 // whose elements cannot be walked as one run in the same order as the others.
 class RowPlan {
@@ -152,6 +148,7 @@ class RowPlan {
   const std::vector<Row>& rows() const { return rows_; }
   const std::vector<Piece>& pieces() const { return pieces_; }
   Use use(int k) const { return lists_[k].use; }
+  int copy_of(int k) const { return lists_[k].copy_of; }
   int lists() const { return static_cast<int>(lists_.size()); }
 
   // Runs f(piece_index, piece) over every piece, the tasks spread over the threads.
@@ -259,10 +256,9 @@ class RowPlan {
 // Walks elements [begin, end) of one row in tiles and calls
 // update(float* const* f, n), where f[k] is list k's tile as fp32 (null for
 // absent and copy-out lists). Afterwards updated half tiles are narrowed back,
-// and a copy-out list receives the final values of list `copy_of`.
+// and a copy-out list receives the final values of its source list.
 template <typename Update>
-void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, int copy_of,
-               Update&& update) {
+void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, Update&& update) {
   const KernelTable& conv = kernels();
   const int nl = plan.lists();
   alignas(64) float scratch[kMaxLists][kTile];
@@ -287,7 +283,7 @@ void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, 
       if (use == Use::kUpdate && row.dt[k] != kF32) {
         conv.copy[kF32][row.dt[k]](scratch[k], at_element(row.ptr[k], row.dt[k], b), n);
       } else if (use == Use::kCopyOut) {
-        conv.copy[kF32][row.dt[k]](f[copy_of], at_element(row.ptr[k], row.dt[k], b), n);
+        conv.copy[kF32][row.dt[k]](f[plan.copy_of(k)], at_element(row.ptr[k], row.dt[k], b), n);
       }
     }
   }
@@ -295,22 +291,23 @@ void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, 
 
 // Runs an elementwise update over every tile of the call, unless noop is set.
 template <typename Update>
-void run_elementwise(RowPlan& plan, bool skip, int copy_of, const Update& update) {
+void run_elementwise(RowPlan& plan, bool skip, const Update& update) {
   if (skip) {
     return;
   }
   const auto& rows = plan.rows();
   plan.run([&](int64_t, const Piece& pc) {
     const Row& row = rows[pc.row];
-    for_tiles(plan, row, pc.begin, pc.end, copy_of, [&](float* const* f, int64_t n) {
+    for_tiles(plan, row, pc.begin, pc.end, [&](float* const* f, int64_t n) {
       update(pc.row, f, n);
     });
   });
   plan.finish();
 }
 
-Use optional_out(at::TensorList model_params) {
-  return model_params.empty() ? Use::kAbsent : Use::kCopyOut;
+// The optional list of half model params, receiving list `source` (the params).
+ListArg model_params_arg(at::TensorList model_params, int source) {
+  return {"model_params", model_params, model_params.empty() ? Use::kAbsent : Use::kCopyOut, source};
 }
 
 void adam_cpu(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
@@ -323,7 +320,7 @@ void adam_cpu(at::TensorList grads, at::TensorList params, at::TensorList exp_av
                     {"params", params, Use::kUpdate},
                     {"exp_avgs", exp_avgs, Use::kUpdate},
                     {"exp_avg_sqs", exp_avg_sqs, Use::kUpdate},
-                    {"model_params", model_params, optional_out(model_params)}});
+                    model_params_arg(model_params, 1)});
   const float b1 = f32(beta1), b2 = f32(beta2);
   const optim::AdamHyper h{scale_or_one(inv_scale, op),
                            f32(lr),
@@ -333,11 +330,11 @@ void adam_cpu(at::TensorList grads, at::TensorList params, at::TensorList exp_av
                            1.0f - b2,
                            f32(eps),
                            f32(weight_decay),
-                           bias_correction(b1, step, bias_correction_on),
-                           bias_correction(b2, step, bias_correction_on),
+                           optim::bias_correction(b1, step, bias_correction_on),
+                           optim::bias_correction(b2, step, bias_correction_on),
                            adam_w_mode};
   const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), 1, [&](int64_t, float* const* f, int64_t n) {
+  run_elementwise(plan, step_skipped(noop, op), [&](int64_t, float* const* f, int64_t n) {
     k.adam(f[0], f[1], f[2], f[3], n, h);
   });
 }
@@ -355,11 +352,11 @@ void sgd_cpu(at::TensorList grads, at::TensorList params, at::TensorList momentu
   RowPlan plan(op, {{"grads", grads, Use::kRead},
                     {"params", params, Use::kUpdate},
                     {"momentum_buffers", momentum_buffers, with_momentum ? Use::kUpdate : Use::kAbsent},
-                    {"model_params", model_params, optional_out(model_params)}});
+                    model_params_arg(model_params, 1)});
   const optim::SgdHyper h{scale_or_one(inv_scale, op), f32(lr), f32(weight_decay), f32(momentum),
                           1.0f - f32(dampening), nesterov, first_run, wd_after_momentum};
   const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), 1, [&](int64_t, float* const* f, int64_t n) {
+  run_elementwise(plan, step_skipped(noop, op), [&](int64_t, float* const* f, int64_t n) {
     k.sgd(f[0], f[1], f[2], n, h);
   });
 }
@@ -372,11 +369,11 @@ void adagrad_cpu(at::TensorList grads, at::TensorList params, at::TensorList sta
   RowPlan plan(op, {{"grads", grads, Use::kRead},
                     {"params", params, Use::kUpdate},
                     {"state_sums", state_sums, Use::kUpdate},
-                    {"model_params", model_params, optional_out(model_params)}});
+                    model_params_arg(model_params, 1)});
   const optim::AdagradHyper h{scale_or_one(inv_scale, op), f32(lr), f32(eps), f32(weight_decay),
                               adagrad_w_mode};
   const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), 1, [&](int64_t, float* const* f, int64_t n) {
+  run_elementwise(plan, step_skipped(noop, op), [&](int64_t, float* const* f, int64_t n) {
     k.adagrad(f[0], f[1], f[2], n, h);
   });
 }
@@ -401,23 +398,20 @@ void novograd_cpu(at::TensorList grads, at::TensorList params, at::TensorList ex
   RowPlan plan(op, {{"grads", grads, Use::kRead},
                     {"params", params, Use::kUpdate},
                     {"exp_avgs", exp_avgs, Use::kUpdate},
-                    {"model_params", model_params, optional_out(model_params)}});
+                    model_params_arg(model_params, 1)});
   const float* norms = per_tensor(grad_norms, grads.size(), op, "grad_norms");
   const float b1 = f32(beta1);
-  // NovoGrad's second moment is a norm, not a square: its correction is a square root.
-  const float bc2 = bias_correction_on
-      ? f32(std::sqrt(1.0 - std::pow(static_cast<double>(f32(beta2)), static_cast<double>(step))))
-      : 1.0f;
+  const float bc2 = optim::norm_bias_correction(f32(beta2), step, bias_correction_on);
   const optim::NovoGradHyper h{scale_or_one(inv_scale, op), f32(lr), b1,
                                grad_averaging ? 1.0f - b1 : 1.0f, f32(weight_decay),
-                               bias_correction(b1, step, bias_correction_on), reg_inside_moment};
+                               optim::bias_correction(b1, step, bias_correction_on), reg_inside_moment};
   const float e = f32(eps);
   std::vector<float> denom(grads.size());
   for (size_t i = 0; i < denom.size(); ++i) {
     denom[i] = norms[i] / bc2 + e;
   }
   const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), 1, [&](int64_t r, float* const* f, int64_t n) {
+  run_elementwise(plan, step_skipped(noop, op), [&](int64_t r, float* const* f, int64_t n) {
     k.novograd(f[0], f[1], f[2], n, denom[r], h);
   });
 }
@@ -435,8 +429,8 @@ optim::LambHyper lamb_hyper(const std::optional<at::Tensor>& inv_scale, float cl
           1.0f - b2,
           f32(eps),
           f32(weight_decay),
-          bias_correction(b1, step, bias_correction_on),
-          bias_correction(b2, step, bias_correction_on),
+          optim::bias_correction(b1, step, bias_correction_on),
+          optim::bias_correction(b2, step, bias_correction_on),
           adam_w_mode};
 }
 
@@ -478,7 +472,7 @@ std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
   const OptimTable& k = optim_kernels();
   const auto& rows = plan.rows();
   plan.run([&](int64_t s_idx, const Piece& pc) {
-    for_tiles(plan, rows[pc.row], pc.begin, pc.end, -1, [&](float* const* f, int64_t len) {
+    for_tiles(plan, rows[pc.row], pc.begin, pc.end, [&](float* const* f, int64_t len) {
       k.lamb_moments(f[0], f[1], f[2], f[3], len, h, partial[s_idx].data());
     });
   });
@@ -506,7 +500,7 @@ void lamb_stage2_cpu(at::TensorList params, at::TensorList exp_avgs, at::TensorL
   RowPlan plan(op, {{"params", params, Use::kUpdate},
                     {"exp_avgs", exp_avgs, Use::kRead},
                     {"exp_avg_sqs", exp_avg_sqs, Use::kRead},
-                    {"model_params", model_params, optional_out(model_params)}});
+                    model_params_arg(model_params, 0)});
   const float* pn = per_tensor(param_norms, params.size(), op, "param_norms");
   const float* un = per_tensor(update_norms, params.size(), op, "update_norms");
   const optim::LambHyper h = lamb_hyper(std::nullopt, 1.0f, beta1, beta2, eps, weight_decay, step,
@@ -521,7 +515,7 @@ void lamb_stage2_cpu(at::TensorList params, at::TensorList exp_avgs, at::TensorL
     }
   }
   const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), 0, [&](int64_t r, float* const* f, int64_t n) {
+  run_elementwise(plan, step_skipped(noop, op), [&](int64_t r, float* const* f, int64_t n) {
     k.lamb_apply(f[0], f[1], f[2], n, ratio[r], h);
   });
 }
