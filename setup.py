@@ -28,10 +28,8 @@ def _extensions():
     # The per-ISA builds of the CPU loops link last and in increasing ISA order:
     # for an inline function that several objects emit, the linker keeps the
     # first copy, so baseline code never calls one compiled for AVX2/AVX-512
-    # (see csrc/cpu/vec_loops.h). Each ISA's optimizer loops (optim_*.cpp) link
-    # with that ISA, before the next one.
-    isa = [f"csrc/cpu/isa/{prefix}{name}.cpp"
-           for name in ("default", "avx2", "avx512") for prefix in ("", "optim_")]
+    # (see csrc/cpu/vec_loops.h).
+    isa = [f"csrc/cpu/isa/{name}.cpp" for name in ("default", "avx2", "avx512")]
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + isa
     # No FMA contraction: the kernels must round a*x and b*y separately, as the
     # reference ops do, to be bit-identical with them.

@@ -1,8 +1,9 @@
 // The vectorised fp32 loops of the optimizer ops, one per update rule of
-// optim_math.h. Like vec_loops.h, this header is compiled once per instruction
-// set, by csrc/cpu/isa/optim_{default,avx2,avx512}.cpp, each of which sets
-// CPU_CAPABILITY and the compiler's target first; vec_loops.h explains how the
-// copies coexist in one library and stay off CPUs that lack the ISA.
+// optim_math.h. Like vec_loops.h, and in the same translation units
+// (csrc/cpu/isa/{default,avx2,avx512}.cpp include both), this header is
+// compiled once per instruction set with CPU_CAPABILITY and the compiler's
+// target set first; vec_loops.h explains how the copies coexist in one library
+// and stay off CPUs that lack the ISA.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>

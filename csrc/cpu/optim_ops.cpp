@@ -40,6 +40,7 @@ namespace amp_patch::cpu {
 const OptimTable& optim_kernels() {
   // Follow the loss-scaling kernels' choice, which honours ATEN_CPU_CAPABILITY.
   static const OptimTable table = [] {
+#if defined(__x86_64__) || defined(_M_X64)
     const std::string& isa = kernel_capability();
     if (isa == "AVX512") {
       return AVX512::optim_table();
@@ -47,6 +48,7 @@ const OptimTable& optim_kernels() {
     if (isa == "AVX2") {
       return AVX2::optim_table();
     }
+#endif
     return DEFAULT::optim_table();
   }();
   return table;

@@ -1,6 +1,6 @@
 // The interface between the optimizer ops (optim_ops.cpp) and their vectorised
-// fp32 loops (optim_loops.h), which csrc/cpu/isa/optim_*.cpp compile once per
-// instruction set, as kernel_table.h does for the loss-scaling loops.
+// fp32 loops (optim_loops.h), compiled once per instruction set next to the
+// loss-scaling loops (csrc/cpu/isa/*.cpp), as kernel_table.h is for those.
 //
 // The loops see fp32 arrays only. optim_ops.cpp hands them fp32 tensors where
 // they lie and converts fp16/bf16 tensors through small fp32 tiles (with the
@@ -39,6 +39,7 @@ struct OptimTable {
   LambApplyLoop lamb_apply;
 };
 
+// One table per instruction set; the AVX ones exist on x86 only.
 namespace DEFAULT { OptimTable optim_table(); }
 namespace AVX2 { OptimTable optim_table(); }
 namespace AVX512 { OptimTable optim_table(); }

@@ -9,10 +9,24 @@
 #else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
 #endif
-#include "cpu/isa/avx512_macros.h"
+#include "cpu/isa/avx2_macros.h"
+// The AVX-512 macros the pragma likewise leaves undefined.
+#ifndef __AVX512F__
+#define __AVX512F__ 1
+#endif
+#ifndef __AVX512BW__
+#define __AVX512BW__ 1
+#endif
+#ifndef __AVX512VL__
+#define __AVX512VL__ 1
+#endif
+#ifndef __AVX512DQ__
+#define __AVX512DQ__ 1
+#endif
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
 #include "cpu/vec_loops.h"
+#include "cpu/optim_loops.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
