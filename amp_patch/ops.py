@@ -402,6 +402,26 @@ def _out(model_params: Sequence[Tensor], i: int, p: Tensor) -> list[tuple[Tensor
     return [(model_params[i], p)] if model_params else []
 
 
+def _adam_direction(m: Tensor, v: Tensor, p: Tensor | None, bc1: float, bc2: float, eps: float,
+                    wd: float, adam_w_mode: bool) -> Tensor:
+    """Adam's update direction from the moments, with AdamW's decay term (LAMB's too)."""
+    u = _div(m, bc1) / (_sqrt_rn(_div(v, bc2)) + eps)
+    if adam_w_mode and wd != 0.0:
+        u = u + wd * p
+    return u
+
+
+def _adam_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, b2: float,
+                  c1: float, c2: float, bc1: float, bc2: float, eps: float, wd: float,
+                  adam_w_mode: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """New moments from an unscaled grad, and the direction (LAMB: c1 is beta3)."""
+    if not adam_w_mode and wd != 0.0:
+        g = g + wd * p
+    m = b1 * m.float() + c1 * g
+    v = b2 * v.float() + c2 * g * g
+    return m, v, _adam_direction(m, v, p, bc1, bc2, eps, wd, adam_w_mode)
+
+
 def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scale, lr, beta1,
               beta2, eps, weight_decay, step, adam_w_mode, bias_correction) -> None:
     _check_rows("multi_tensor_adam_", grads=grads, params=params, exp_avgs=exp_avgs,
@@ -413,15 +433,10 @@ def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scal
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
-        g, p = _grad32(grad, inv_scale), params[i].float()
-        if not adam_w_mode and wd != 0.0:
-            g = g + wd * p
-        m = b1 * exp_avgs[i].float() + c1 * g
-        v = b2 * exp_avg_sqs[i].float() + c2 * g * g
-        update = _div(m, bc1) / (_sqrt_rn(_div(v, bc2)) + eps)
-        if adam_w_mode and wd != 0.0:
-            update = update + wd * p
-        p = p - lr * update
+        p = params[i].float()
+        m, v, u = _adam_moments(_grad32(grad, inv_scale), p, exp_avgs[i], exp_avg_sqs[i], b1, b2,
+                                c1, c2, bc1, bc2, eps, wd, adam_w_mode)
+        p = p - lr * u
         _commit(keep, (params[i], p), (exp_avgs[i], m), (exp_avg_sqs[i], v),
                 *_out(model_params, i, p))
 
@@ -509,12 +524,6 @@ def _novograd_ref(grads, params, exp_avgs, grad_norms, model_params, noop, inv_s
         _commit(keep, (params[i], p), (exp_avgs[i], m), *_out(model_params, i, p))
 
 
-def _lamb_direction(m: Tensor, v: Tensor, p: Tensor | None, bc1: float, bc2: float, eps: float,
-                    wd: float, adam_w_mode: bool) -> Tensor:
-    u = _div(m, bc1) / (_sqrt_rn(_div(v, bc2)) + eps)
-    if adam_w_mode and wd != 0.0:
-        u = u + wd * p
-    return u
 
 
 def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, global_grad_norm,
@@ -538,13 +547,9 @@ def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, glob
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
-        g = _grad32(grad, inv_scale) / clip
         p = params[i].float() if norms_wanted else None
-        if not adam_w_mode and wd != 0.0:
-            g = g + wd * p
-        m = exp_avgs[i].float() * b1 + b3 * g
-        v = exp_avg_sqs[i].float() * b2 + c2 * g * g
-        u = _lamb_direction(m, v, p, bc1, bc2, eps, wd, adam_w_mode)
+        m, v, u = _adam_moments(_grad32(grad, inv_scale) / clip, p, exp_avgs[i], exp_avg_sqs[i],
+                                b1, b2, b3, c2, bc1, bc2, eps, wd, adam_w_mode)
         if norms_wanted:
             sums[0, i] = p.double().square().sum()
         sums[1, i] = u.double().square().sum()
@@ -576,7 +581,7 @@ def _lamb_stage2_ref(params, exp_avgs, exp_avg_sqs, param_norms, update_norms, m
             pn, un = param_norms[i], update_norms[i]
             ratio = torch.where((pn != 0) & (un != 0), lr * (pn / un), ratio)
         p = param.float()
-        u = _lamb_direction(exp_avgs[i].float(), exp_avg_sqs[i].float(), p, bc1, bc2, eps, wd,
+        u = _adam_direction(exp_avgs[i].float(), exp_avg_sqs[i].float(), p, bc1, bc2, eps, wd,
                             adam_w_mode)
         p = p - ratio * u
         _commit(keep, (params[i], p), *_out(model_params, i, p))
@@ -596,13 +601,11 @@ _OPTIM_REFERENCE = {
     "multi_tensor_lamb_stage1_": _lamb_stage1_ref,
     "multi_tensor_lamb_stage2_": _lamb_stage2_ref,
 }
-for _name, _fn in _OPTIM_REFERENCE.items():
-    _lib.impl(_name, _fn, "CompositeExplicitAutograd")
-    torch.library.register_fake(
-        f"{NAMESPACE}::{_name}",
-        _lamb_stage1_fake if _name == "multi_tensor_lamb_stage1_" else _no_output_fake,
-        lib=_lib,
-    )
+_OPTIM_FAKES = {"multi_tensor_lamb_stage1_": _lamb_stage1_fake}
+for _name in _OPTIM_SCHEMAS:
+    _lib.impl(_name, _OPTIM_REFERENCE[_name], "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _OPTIM_FAKES.get(_name, _no_output_fake),
+                                lib=_lib)
 
 
 def multi_tensor_adam_(

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu/kernel_table.h"
+#include "cpu/optim_args.h"
 #include "cpu/optim_table.h"
 
 #if AT_PARALLEL_OPENMP && defined(__linux__) && !defined(_OPENMP)
@@ -63,21 +64,8 @@ constexpr int64_t kTaskElems = 32768;
 // the update and the narrowing.
 constexpr int64_t kTile = 1024;
 
-// What an op does with one of its lists.
-enum class Use : uint8_t {
-  kAbsent,   // not part of this call (an empty optional list, unused momentum)
-  kChecked,  // validated like the others but not touched (not needed by this call)
-  kRead,
-  kUpdate,  // read and written in place
-  kCopyOut, // written only: the final fp32 values of list `copy_of` (half model params)
-};
-
-struct ListArg {
-  const char* name;
-  at::TensorList tensors;
-  Use use;
-  int copy_of = -1;  // for kCopyOut: the list whose updated values it receives
-};
+using optim::ListArg;
+using optim::Use;
 
 // Tensor i of every list, as flat memory of numel elements.
 struct Row {
@@ -124,15 +112,11 @@ float scale_or_one(const std::optional<at::Tensor>& inv_scale, const char* op) {
   return inv_scale.has_value() ? read_one(*inv_scale, op, "inv_scale", /*allow_int=*/false) : 1.0f;
 }
 
-float f32(double x) {
-  return static_cast<float>(x);
-}
-
 // The rows and tasks of one call, with the contiguous stand-ins for tensors
 // whose elements cannot be walked as one run in the same order as the others.
 class RowPlan {
  public:
-  RowPlan(const char* op, std::vector<ListArg> lists) : op_(op), lists_(std::move(lists)) {
+  RowPlan(const char* op, c10::ArrayRef<ListArg> lists) : op_(op), lists_(lists.vec()) {
     TORCH_INTERNAL_ASSERT(!lists_.empty() && lists_.size() <= kMaxLists);
     const size_t n = lists_[0].tensors.size();
     for (const ListArg& l : lists_) {
@@ -307,79 +291,6 @@ void run_elementwise(RowPlan& plan, bool skip, const Update& update) {
   plan.finish();
 }
 
-// The optional list of half model params, receiving list `source` (the params).
-ListArg model_params_arg(at::TensorList model_params, int source) {
-  return {"model_params", model_params, model_params.empty() ? Use::kAbsent : Use::kCopyOut, source};
-}
-
-void adam_cpu(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
-              at::TensorList exp_avg_sqs, at::TensorList model_params,
-              const std::optional<at::Tensor>& noop, const std::optional<at::Tensor>& inv_scale,
-              double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-              bool adam_w_mode, bool bias_correction_on) {
-  constexpr const char* op = "multi_tensor_adam_";
-  RowPlan plan(op, {{"grads", grads, Use::kRead},
-                    {"params", params, Use::kUpdate},
-                    {"exp_avgs", exp_avgs, Use::kUpdate},
-                    {"exp_avg_sqs", exp_avg_sqs, Use::kUpdate},
-                    model_params_arg(model_params, 1)});
-  const float b1 = f32(beta1), b2 = f32(beta2);
-  const optim::AdamHyper h{scale_or_one(inv_scale, op),
-                           f32(lr),
-                           b1,
-                           b2,
-                           1.0f - b1,
-                           1.0f - b2,
-                           f32(eps),
-                           f32(weight_decay),
-                           optim::bias_correction(b1, step, bias_correction_on),
-                           optim::bias_correction(b2, step, bias_correction_on),
-                           adam_w_mode};
-  const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), [&](int64_t, float* const* f, int64_t n) {
-    k.adam(f[0], f[1], f[2], f[3], n, h);
-  });
-}
-
-void sgd_cpu(at::TensorList grads, at::TensorList params, at::TensorList momentum_buffers,
-             at::TensorList model_params, const std::optional<at::Tensor>& noop,
-             const std::optional<at::Tensor>& inv_scale, double lr, double weight_decay,
-             double momentum, double dampening, bool nesterov, bool first_run,
-             bool wd_after_momentum) {
-  constexpr const char* op = "multi_tensor_sgd_";
-  const bool with_momentum = momentum != 0.0;
-  TORCH_CHECK(!with_momentum || momentum_buffers.size() == grads.size(), "amp_patch::", op,
-              ": momentum is ", momentum, " but momentum_buffers has ", momentum_buffers.size(),
-              " tensors for ", grads.size(), " grads");
-  RowPlan plan(op, {{"grads", grads, Use::kRead},
-                    {"params", params, Use::kUpdate},
-                    {"momentum_buffers", momentum_buffers, with_momentum ? Use::kUpdate : Use::kAbsent},
-                    model_params_arg(model_params, 1)});
-  const optim::SgdHyper h{scale_or_one(inv_scale, op), f32(lr), f32(weight_decay), f32(momentum),
-                          1.0f - f32(dampening), nesterov, first_run, wd_after_momentum};
-  const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), [&](int64_t, float* const* f, int64_t n) {
-    k.sgd(f[0], f[1], f[2], n, h);
-  });
-}
-
-void adagrad_cpu(at::TensorList grads, at::TensorList params, at::TensorList state_sums,
-                 at::TensorList model_params, const std::optional<at::Tensor>& noop,
-                 const std::optional<at::Tensor>& inv_scale, double lr, double eps,
-                 double weight_decay, bool adagrad_w_mode) {
-  constexpr const char* op = "multi_tensor_adagrad_";
-  RowPlan plan(op, {{"grads", grads, Use::kRead},
-                    {"params", params, Use::kUpdate},
-                    {"state_sums", state_sums, Use::kUpdate},
-                    model_params_arg(model_params, 1)});
-  const optim::AdagradHyper h{scale_or_one(inv_scale, op), f32(lr), f32(eps), f32(weight_decay),
-                              adagrad_w_mode};
-  const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), [&](int64_t, float* const* f, int64_t n) {
-    k.adagrad(f[0], f[1], f[2], n, h);
-  });
-}
-
 // A per-tensor vector (NovoGrad's grad norms, LAMB's norms) on the CPU.
 const float* per_tensor(const at::Tensor& t, size_t n, const char* op, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 &&
@@ -390,146 +301,127 @@ const float* per_tensor(const at::Tensor& t, size_t n, const char* op, const cha
   return t.const_data_ptr<float>();
 }
 
-void novograd_cpu(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
-                  const at::Tensor& grad_norms, at::TensorList model_params,
-                  const std::optional<at::Tensor>& noop, const std::optional<at::Tensor>& inv_scale,
-                  double lr, double beta1, double beta2, double eps, double weight_decay,
-                  int64_t step, bool bias_correction_on, bool grad_averaging,
-                  bool reg_inside_moment) {
-  constexpr const char* op = "multi_tensor_novograd_";
-  RowPlan plan(op, {{"grads", grads, Use::kRead},
-                    {"params", params, Use::kUpdate},
-                    {"exp_avgs", exp_avgs, Use::kUpdate},
-                    model_params_arg(model_params, 1)});
-  const float* norms = per_tensor(grad_norms, grads.size(), op, "grad_norms");
-  const float b1 = f32(beta1);
-  const float bc2 = optim::norm_bias_correction(f32(beta2), step, bias_correction_on);
-  const optim::NovoGradHyper h{scale_or_one(inv_scale, op), f32(lr), b1,
-                               grad_averaging ? 1.0f - b1 : 1.0f, f32(weight_decay),
-                               optim::bias_correction(b1, step, bias_correction_on), reg_inside_moment};
-  const float e = f32(eps);
-  std::vector<float> denom(grads.size());
-  for (size_t i = 0; i < denom.size(); ++i) {
-    denom[i] = norms[i] / bc2 + e;
+// The CPU side of the ops of optim_args.h. The scale and flag are read on the
+// host (they live in host memory); the loops come from the ISA's table.
+struct CpuBackend {
+  template <typename Hyper>
+  static Hyper scaled(Hyper h, const optim::Flags& flags, const char* op) {
+    h.inv_scale = scale_or_one(flags.inv_scale, op);
+    return h;
   }
-  const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), [&](int64_t r, float* const* f, int64_t n) {
-    k.novograd(f[0], f[1], f[2], n, denom[r], h);
-  });
-}
 
-optim::LambHyper lamb_hyper(const std::optional<at::Tensor>& inv_scale, float clip, double beta1,
-                            double beta2, double eps, double weight_decay, int64_t step,
-                            bool bias_correction_on, bool grad_averaging, bool adam_w_mode,
-                            const char* op) {
-  const float b1 = f32(beta1), b2 = f32(beta2);
-  return {scale_or_one(inv_scale, op),
-          clip,
-          b1,
-          b2,
-          grad_averaging ? 1.0f - b1 : 1.0f,
-          1.0f - b2,
-          f32(eps),
-          f32(weight_decay),
-          optim::bias_correction(b1, step, bias_correction_on),
-          optim::bias_correction(b2, step, bias_correction_on),
-          adam_w_mode};
-}
+  // An elementwise op: loop(row, f, n, hyper) over every tile of the call.
+  template <size_t N, typename Hyper, typename Loop>
+  static void sweep(const char* op, const optim::Lists<N>& lists, const optim::Flags& flags,
+                    const Hyper& hyper, const Loop& loop) {
+    RowPlan plan(op, lists);
+    const Hyper h = scaled(hyper, flags, op);
+    run_elementwise(plan, step_skipped(flags.noop, op),
+                    [&](int64_t r, float* const* f, int64_t n) { loop(r, f, n, h); });
+  }
 
-bool lamb_needs_norms(double weight_decay, bool use_nvlamb) {
-  return use_nvlamb || weight_decay != 0.0;
-}
+  static void adam(const char* op, const optim::Lists<5>& lists, const optim::Flags& flags,
+                   const optim::AdamHyper& hyper) {
+    sweep(op, lists, flags, hyper, [](int64_t, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().adam(f[0], f[1], f[2], f[3], n, h);
+    });
+  }
 
-std::tuple<at::Tensor, at::Tensor> lamb_stage1_cpu(
-    at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
-    at::TensorList exp_avg_sqs, const std::optional<at::Tensor>& noop,
-    const std::optional<at::Tensor>& inv_scale, const at::Tensor& global_grad_norm,
-    double max_grad_norm, double beta1, double beta2, double eps, double weight_decay,
-    int64_t step, bool bias_correction_on, bool grad_averaging, bool adam_w_mode,
-    bool use_nvlamb) {
-  constexpr const char* op = "multi_tensor_lamb_stage1_";
-  const bool norms_wanted = lamb_needs_norms(weight_decay, use_nvlamb);
-  // p is read only for weight decay or the trust ratio.
-  RowPlan plan(op, {{"grads", grads, Use::kRead},
-                    {"params", params, norms_wanted ? Use::kRead : Use::kChecked},
-                    {"exp_avgs", exp_avgs, Use::kUpdate},
-                    {"exp_avg_sqs", exp_avg_sqs, Use::kUpdate}});
-  const float s = scale_or_one(inv_scale, op);
-  const float norm = read_one(global_grad_norm, op, "global_grad_norm", false) * s;
-  const float max_norm = f32(max_grad_norm);
-  const float clip = max_norm > 0.0f && norm > max_norm ? norm / max_norm : 1.0f;
-  const optim::LambHyper h = lamb_hyper(inv_scale, clip, beta1, beta2, eps, weight_decay, step,
-                                        bias_correction_on, grad_averaging, adam_w_mode, op);
+  static void sgd(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                  const optim::SgdHyper& hyper) {
+    sweep(op, lists, flags, hyper, [](int64_t, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().sgd(f[0], f[1], f[2], n, h);
+    });
+  }
 
-  const auto fp32 = at::TensorOptions().dtype(at::kFloat);
-  const int64_t n = static_cast<int64_t>(grads.size());
-  at::Tensor param_norms = at::zeros({n}, fp32);
-  at::Tensor update_norms = at::zeros({n}, fp32);
-  if (step_skipped(noop, op)) {
+  static void adagrad(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                      const optim::AdagradHyper& hyper) {
+    sweep(op, lists, flags, hyper, [](int64_t, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().adagrad(f[0], f[1], f[2], n, h);
+    });
+  }
+
+  static void novograd(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                       const optim::NovoGradHyper& hyper, const at::Tensor& grad_norms,
+                       float bias_correction2, float eps) {
+    const size_t n_tensors = lists[0].tensors.size();
+    const float* norms = per_tensor(grad_norms, n_tensors, op, "grad_norms");
+    std::vector<float> denom(n_tensors);
+    for (size_t i = 0; i < n_tensors; ++i) {
+      denom[i] = norms[i] / bias_correction2 + eps;
+    }
+    sweep(op, lists, flags, hyper, [&](int64_t r, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().novograd(f[0], f[1], f[2], n, denom[r], h);
+    });
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> lamb_moments(
+      const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+      const optim::LambHyper& hyper, const at::Tensor& global_grad_norm, float max_grad_norm) {
+    RowPlan plan(op, lists);
+    optim::LambHyper h = scaled(hyper, flags, op);
+    const float norm = read_one(global_grad_norm, op, "global_grad_norm", false) * h.inv_scale;
+    h.clip = max_grad_norm > 0.0f && norm > max_grad_norm ? norm / max_grad_norm : 1.0f;
+    const auto fp32 = at::TensorOptions().dtype(at::kFloat);
+    const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
+    at::Tensor param_norms = at::zeros({n}, fp32);
+    at::Tensor update_norms = at::zeros({n}, fp32);
+    if (step_skipped(flags.noop, op)) {
+      return {param_norms, update_norms};
+    }
+    // One pair of partial sums per piece, added per tensor in piece order: the
+    // result does not depend on the thread count.
+    std::vector<std::array<double, 2>> partial(plan.pieces().size(), {0.0, 0.0});
+    const OptimTable& k = optim_kernels();
+    const auto& rows = plan.rows();
+    plan.run([&](int64_t s, const Piece& pc) {
+      for_tiles(plan, rows[pc.row], pc.begin, pc.end, [&](float* const* f, int64_t len) {
+        k.lamb_moments(f[0], f[1], f[2], f[3], len, h, partial[s].data());
+      });
+    });
+    plan.finish();
+    std::vector<std::array<double, 2>> sums(n, {0.0, 0.0});
+    for (size_t i = 0; i < partial.size(); ++i) {
+      sums[plan.pieces()[i].row][0] += partial[i][0];
+      sums[plan.pieces()[i].row][1] += partial[i][1];
+    }
+    float* pn = param_norms.mutable_data_ptr<float>();
+    float* un = update_norms.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      pn[i] = static_cast<float>(std::sqrt(sums[i][0]));
+      un[i] = static_cast<float>(std::sqrt(sums[i][1]));
+    }
     return {param_norms, update_norms};
   }
-  // One pair of partial sums per piece, added per tensor in piece order: the
-  // result does not depend on the thread count.
-  std::vector<std::array<double, 2>> partial(plan.pieces().size(), {0.0, 0.0});
-  const OptimTable& k = optim_kernels();
-  const auto& rows = plan.rows();
-  plan.run([&](int64_t s_idx, const Piece& pc) {
-    for_tiles(plan, rows[pc.row], pc.begin, pc.end, [&](float* const* f, int64_t len) {
-      k.lamb_moments(f[0], f[1], f[2], f[3], len, h, partial[s_idx].data());
-    });
-  });
-  plan.finish();
-  std::vector<std::array<double, 2>> sums(grads.size(), {0.0, 0.0});
-  for (size_t i = 0; i < partial.size(); ++i) {
-    sums[plan.pieces()[i].row][0] += partial[i][0];
-    sums[plan.pieces()[i].row][1] += partial[i][1];
-  }
-  float* pn = param_norms.mutable_data_ptr<float>();
-  float* un = update_norms.mutable_data_ptr<float>();
-  for (size_t i = 0; i < sums.size(); ++i) {
-    pn[i] = static_cast<float>(std::sqrt(sums[i][0]));
-    un[i] = static_cast<float>(std::sqrt(sums[i][1]));
-  }
-  return {param_norms, update_norms};
-}
 
-void lamb_stage2_cpu(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                     const at::Tensor& param_norms, const at::Tensor& update_norms,
-                     at::TensorList model_params, const std::optional<at::Tensor>& noop,
-                     double lr, double beta1, double beta2, double eps, double weight_decay,
-                     int64_t step, bool bias_correction_on, bool adam_w_mode, bool use_nvlamb) {
-  constexpr const char* op = "multi_tensor_lamb_stage2_";
-  RowPlan plan(op, {{"params", params, Use::kUpdate},
-                    {"exp_avgs", exp_avgs, Use::kRead},
-                    {"exp_avg_sqs", exp_avg_sqs, Use::kRead},
-                    model_params_arg(model_params, 0)});
-  const float* pn = per_tensor(param_norms, params.size(), op, "param_norms");
-  const float* un = per_tensor(update_norms, params.size(), op, "update_norms");
-  const optim::LambHyper h = lamb_hyper(std::nullopt, 1.0f, beta1, beta2, eps, weight_decay, step,
-                                        bias_correction_on, /*grad_averaging=*/true, adam_w_mode, op);
-  const float lr32 = f32(lr);
-  std::vector<float> ratio(params.size(), lr32);
-  if (lamb_needs_norms(weight_decay, use_nvlamb)) {
-    for (size_t i = 0; i < ratio.size(); ++i) {
+  static void lamb_apply(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                         const optim::LambHyper& hyper, const at::Tensor& param_norms,
+                         const at::Tensor& update_norms, float lr, bool use_ratio) {
+    const size_t n_tensors = lists[0].tensors.size();
+    const float* pn = per_tensor(param_norms, n_tensors, op, "param_norms");
+    const float* un = per_tensor(update_norms, n_tensors, op, "update_norms");
+    std::vector<float> ratio(n_tensors, lr);
+    for (size_t i = 0; use_ratio && i < n_tensors; ++i) {
       if (pn[i] != 0.0f && un[i] != 0.0f) {
-        ratio[i] = lr32 * (pn[i] / un[i]);
+        ratio[i] = lr * (pn[i] / un[i]);
       }
     }
+    sweep(op, lists, flags, hyper, [&](int64_t r, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().lamb_apply(f[0], f[1], f[2], n, ratio[r], h);
+    });
   }
-  const OptimTable& k = optim_kernels();
-  run_elementwise(plan, step_skipped(noop, op), [&](int64_t r, float* const* f, int64_t n) {
-    k.lamb_apply(f[0], f[1], f[2], n, ratio[r], h);
-  });
-}
+};
 
 }  // namespace
 }  // namespace amp_patch::cpu
 
 TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
-  m.impl("multi_tensor_adam_", &amp_patch::cpu::adam_cpu);
-  m.impl("multi_tensor_sgd_", &amp_patch::cpu::sgd_cpu);
-  m.impl("multi_tensor_adagrad_", &amp_patch::cpu::adagrad_cpu);
-  m.impl("multi_tensor_novograd_", &amp_patch::cpu::novograd_cpu);
-  m.impl("multi_tensor_lamb_stage1_", &amp_patch::cpu::lamb_stage1_cpu);
-  m.impl("multi_tensor_lamb_stage2_", &amp_patch::cpu::lamb_stage2_cpu);
+  using amp_patch::cpu::CpuBackend;
+  namespace optim = amp_patch::optim;
+  m.impl("multi_tensor_adam_", &optim::adam_op<CpuBackend>);
+  m.impl("multi_tensor_sgd_", &optim::sgd_op<CpuBackend>);
+  m.impl("multi_tensor_adagrad_", &optim::adagrad_op<CpuBackend>);
+  m.impl("multi_tensor_novograd_", &optim::novograd_op<CpuBackend>);
+  m.impl("multi_tensor_lamb_stage1_", &optim::lamb_stage1_op<CpuBackend>);
+  m.impl("multi_tensor_lamb_stage2_", &optim::lamb_stage2_op<CpuBackend>);
 }

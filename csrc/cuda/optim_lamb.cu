@@ -99,140 +99,84 @@ __global__ void __launch_bounds__(kFinalizeThreads) lamb_norms_finalize(
   }
 }
 
-struct LambApplyOp {
-  OptimCommon common;
-  optim::LambHyper h;
-  const float* param_norms;
-  const float* update_norms;
-  float lr;
-  bool use_trust_ratio;
-
-  // Lists: 0 param, 1 exp_avg, 2 exp_avg_sq, 3 model copy.
-  __device__ void operator()(const Chunk<4>& c) const {
-    if (common.skipped()) {
-      return;
-    }
-    float ratio = lr;
-    if (use_trust_ratio) {
-      const int t = tensor_of(c);
-      const float pn = param_norms[t], un = update_norms[t];
-      if (pn != 0.0f && un != 0.0f) {
-        ratio = __fmul_rn(lr, __fdiv_rn(pn, un));
-      }
-    }
-    sweep_chunk<4, 0b0111u, 0b1001u>(c, common.dt, [&](float* r) {
-      RnFloat p = r[0];
-      optim::lamb_apply<RnFloat>(p, r[1], r[2], ratio, h);
-      r[0] = r[3] = p.v;
-    });
+// Stage 2's lists: 0 param, 1 exp_avg, 2 exp_avg_sq, 3 model copy.
+struct LambApplyRule {
+  __device__ static void apply(float* r, const optim::LambHyper& h, float ratio) {
+    RnFloat p = r[0];
+    optim::lamb_apply<RnFloat>(p, r[1], r[2], ratio, h);
+    r[0] = r[3] = p.v;
   }
 };
 
-optim::LambHyper lamb_hyper(double beta1, double beta2, double eps, double weight_decay,
-                            int64_t step, bool bias_correction_on, bool grad_averaging,
-                            bool adam_w_mode) {
-  const float b1 = f32(beta1), b2 = f32(beta2);
-  return {1.0f,
-          1.0f,
-          b1,
-          b2,
-          grad_averaging ? 1.0f - b1 : 1.0f,
-          1.0f - b2,
-          f32(eps),
-          f32(weight_decay),
-          optim::bias_correction(b1, step, bias_correction_on),
-          optim::bias_correction(b2, step, bias_correction_on),
-          adam_w_mode};
-}
+// A tensor's step size: lr times its trust ratio when it has one and both
+// norms are non-zero, rounded as the CPU kernels round it on the host.
+struct TrustRatio {
+  const float* param_norms;
+  const float* update_norms;
+  float lr;
+  bool enabled;
 
-template <typename Op>
-void launch(OptimPlan<4>& plan, Op o, cudaStream_t stream) {
-  plan.run([&](const OptimPlan<4>::Dtypes& dtypes, const std::vector<Task<4>>& tasks) {
-    std::copy(dtypes.begin(), dtypes.end(), o.common.dt);
-    multi_tensor_apply<4>(tasks, o, stream);
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> lamb_stage1_cuda(
-    at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
-    at::TensorList exp_avg_sqs, const std::optional<at::Tensor>& noop,
-    const std::optional<at::Tensor>& inv_scale, const at::Tensor& global_grad_norm,
-    double max_grad_norm, double beta1, double beta2, double eps, double weight_decay,
-    int64_t step, bool bias_correction_on, bool grad_averaging, bool adam_w_mode,
-    bool use_nvlamb) {
-  constexpr const char* op = "multi_tensor_lamb_stage1_";
-  const at::Device device = global_grad_norm.device();
-  const c10::cuda::CUDAGuard guard(device);
-  TORCH_CHECK(global_grad_norm.numel() == 1 && global_grad_norm.scalar_type() == at::kFloat,
-              "amp_patch::", op, ": global_grad_norm must be a one-element float32 tensor, got ",
-              global_grad_norm.scalar_type(), " with ", global_grad_norm.numel(), " elements");
-  const bool norms_wanted = use_nvlamb || weight_decay != 0.0;
-  OptimPlan<4> plan(op,
-                    {{{"grads", grads, ListUse::kRead},
-                      {"params", params, norms_wanted ? ListUse::kRead : ListUse::kChecked},
-                      {"exp_avgs", exp_avgs, ListUse::kUpdate},
-                      {"exp_avg_sqs", exp_avg_sqs, ListUse::kUpdate}}},
-                    device);
-  const int64_t n = static_cast<int64_t>(grads.size());
-  int64_t max_chunks = 1;
-  for (const at::Tensor& g : grads) {
-    max_chunks = std::max<int64_t>(max_chunks, (g.numel() + kChunkElems - 1) / kChunkElems);
+  __device__ float operator()(int t) const {
+    const float pn = param_norms[t], un = update_norms[t];
+    return enabled && pn != 0.0f && un != 0.0f ? __fmul_rn(lr, __fdiv_rn(pn, un)) : lr;
   }
-  const auto fp32 = at::TensorOptions().device(device).dtype(at::kFloat);
-  at::Tensor partials = at::zeros({2, n, max_chunks}, fp32);
-  at::Tensor norms = at::empty({2, n}, fp32);
-  if (n == 0) {
+};
+
+// The CUDA side of LAMB's ops of optim_args.h.
+struct CudaLamb {
+  static std::tuple<at::Tensor, at::Tensor> lamb_moments(
+      const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+      const optim::LambHyper& h, const at::Tensor& global_grad_norm, float max_grad_norm) {
+    const at::Device device = global_grad_norm.device();
+    const c10::cuda::CUDAGuard guard(device);
+    TORCH_CHECK(global_grad_norm.numel() == 1 && global_grad_norm.scalar_type() == at::kFloat,
+                "amp_patch::", op, ": global_grad_norm must be a one-element float32 tensor, got ",
+                global_grad_norm.scalar_type(), " with ", global_grad_norm.numel(), " elements");
+    OptimPlan<4> plan(op, lists, device);
+    const at::TensorList grads = lists[0].tensors;
+    const int64_t n = static_cast<int64_t>(grads.size());
+    int64_t max_chunks = 1;
+    for (const at::Tensor& g : grads) {
+      max_chunks = std::max<int64_t>(max_chunks, (g.numel() + kChunkElems - 1) / kChunkElems);
+    }
+    const auto fp32 = at::TensorOptions().device(device).dtype(at::kFloat);
+    at::Tensor partials = at::zeros({2, n, max_chunks}, fp32);
+    at::Tensor norms = at::empty({2, n}, fp32);
+    if (n == 0) {
+      return {norms[0], norms[1]};
+    }
+    TORCH_CHECK(n * max_chunks <= INT32_MAX, "amp_patch::", op, ": too many chunks");
+    float* partials_ptr = partials.data_ptr<float>();
+    launch_groups(plan, LambMomentsOp{optim_common(op, flags.noop, flags.inv_scale, device), h,
+                                      global_grad_norm.const_data_ptr<float>(), partials_ptr,
+                                      partials_ptr + n * max_chunks, max_grad_norm,
+                                      static_cast<int>(max_chunks)});
+    float* norms_ptr = norms.data_ptr<float>();
+    lamb_norms_finalize<<<static_cast<unsigned>(n), kFinalizeThreads, 0,
+                          c10::cuda::getCurrentCUDAStream()>>>(
+        partials_ptr, partials_ptr + n * max_chunks, static_cast<int>(max_chunks), norms_ptr,
+        norms_ptr + n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {norms[0], norms[1]};
   }
-  TORCH_CHECK(n * max_chunks <= INT32_MAX, "amp_patch::", op, ": too many chunks");
-  float* partials_ptr = partials.data_ptr<float>();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  LambMomentsOp o{optim_common(op, noop, inv_scale, device),
-                  lamb_hyper(beta1, beta2, eps, weight_decay, step, bias_correction_on,
-                             grad_averaging, adam_w_mode),
-                  global_grad_norm.const_data_ptr<float>(),
-                  partials_ptr,
-                  partials_ptr + n * max_chunks,
-                  f32(max_grad_norm),
-                  static_cast<int>(max_chunks)};
-  launch(plan, o, stream);
-  float* norms_ptr = norms.data_ptr<float>();
-  lamb_norms_finalize<<<static_cast<unsigned>(n), kFinalizeThreads, 0, stream>>>(
-      partials_ptr, partials_ptr + n * max_chunks, static_cast<int>(max_chunks), norms_ptr,
-      norms_ptr + n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {norms[0], norms[1]};
-}
 
-void lamb_stage2_cuda(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                      const at::Tensor& param_norms, const at::Tensor& update_norms,
-                      at::TensorList model_params, const std::optional<at::Tensor>& noop,
-                      double lr, double beta1, double beta2, double eps, double weight_decay,
-                      int64_t step, bool bias_correction_on, bool adam_w_mode, bool use_nvlamb) {
-  constexpr const char* op = "multi_tensor_lamb_stage2_";
-  const at::Device device = param_norms.device();
-  const c10::cuda::CUDAGuard guard(device);
-  OptimPlan<4> plan(op,
-                    {{{"params", params, ListUse::kUpdate},
-                      {"exp_avgs", exp_avgs, ListUse::kRead},
-                      {"exp_avg_sqs", exp_avg_sqs, ListUse::kRead},
-                      {"model_params", model_params,
-                       model_params.empty() ? ListUse::kAbsent : ListUse::kWrite}}},
-                    device);
-  LambApplyOp o{optim_common(op, noop, std::nullopt, device),
-                lamb_hyper(beta1, beta2, eps, weight_decay, step, bias_correction_on,
-                           /*grad_averaging=*/true, adam_w_mode),
-                per_tensor(op, "param_norms", param_norms, params.size(), device),
-                per_tensor(op, "update_norms", update_norms, params.size(), device),
-                f32(lr),
-                use_nvlamb || weight_decay != 0.0};
-  launch(plan, o, c10::cuda::getCurrentCUDAStream());
-}
+  static void lamb_apply(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                         const optim::LambHyper& h, const at::Tensor& param_norms,
+                         const at::Tensor& update_norms, float lr, bool use_ratio) {
+    run_sweep<LambApplyRule, 0b0111u, 0b1001u>(op, lists, flags, h, [&](const at::Device& device) {
+      const size_t n = lists[0].tensors.size();
+      return TrustRatio{per_tensor(op, "param_norms", param_norms, n, device),
+                        per_tensor(op, "update_norms", update_norms, n, device), lr, use_ratio};
+    });
+  }
+};
 
 }  // namespace
 }  // namespace amp_patch::cuda
 
 TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
-  m.impl("multi_tensor_lamb_stage1_", &amp_patch::cuda::lamb_stage1_cuda);
-  m.impl("multi_tensor_lamb_stage2_", &amp_patch::cuda::lamb_stage2_cuda);
+  using amp_patch::cuda::CudaLamb;
+  namespace optim = amp_patch::optim;
+  m.impl("multi_tensor_lamb_stage1_", &optim::lamb_stage1_op<CudaLamb>);
+  m.impl("multi_tensor_lamb_stage2_", &optim::lamb_stage2_op<CudaLamb>);
 }

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <map>
@@ -34,6 +36,7 @@ __device__ __forceinline__ RnFloat sqrt_rn(RnFloat a) { return __fsqrt_rn(a.v); 
 
 }  // namespace amp_patch::optim
 
+#include "cpu/optim_args.h"
 #include "cpu/optim_math.h"
 
 namespace amp_patch::cuda {
@@ -125,14 +128,35 @@ __device__ __forceinline__ void sweep_chunk(const Chunk<Depth>& c, const int8_t*
   }
 }
 
-// How an op uses one of its lists (as the CPU kernels' Use).
-enum class ListUse { kAbsent, kChecked, kRead, kUpdate, kWrite };
-
-struct OptimList {
-  const char* name;
-  at::TensorList tensors;
-  ListUse use;
+// The per-tensor value a sweep needs besides the hyper-parameters (NovoGrad's
+// denominator, LAMB's trust ratio): by default none.
+struct NoPerTensor {
+  __device__ __forceinline__ float operator()(int) const { return 0.0f; }
 };
+
+// The kernel functor of a single-sweep optimizer op: returns at once when the
+// noop flag is set, else reads inv_scale and the tensor's per-tensor value and
+// calls Rule::apply(r, hyper, value) on each element's fp32 values r[list].
+template <int Depth, unsigned Read, unsigned Written, typename Rule, typename Hyper,
+          typename PerTensor = NoPerTensor>
+struct SweepOp {
+  OptimCommon common;
+  Hyper h;
+  PerTensor per_tensor;
+
+  __device__ void operator()(const Chunk<Depth>& c) const {
+    if (common.skipped()) {
+      return;
+    }
+    Hyper hh = h;
+    hh.inv_scale = common.scale();
+    const float value = per_tensor(tensor_of(c));
+    sweep_chunk<Depth, Read, Written>(c, common.dt, [&](float* r) { Rule::apply(r, hh, value); });
+  }
+};
+
+using optim::ListArg;
+using optim::Use;
 
 // An op's lists as multi_tensor_apply tasks, grouped by the dtypes of their
 // lists. Rows whose tensors cannot all be walked as one flat range in the same
@@ -142,14 +166,14 @@ class OptimPlan {
  public:
   using Dtypes = std::array<int8_t, Depth>;
 
-  OptimPlan(const char* op, std::array<OptimList, Depth> lists, const at::Device& device)
+  OptimPlan(const char* op, const optim::Lists<Depth>& lists, const at::Device& device)
       : lists_(lists) {
     const size_t n = lists_[0].tensors.size();
-    for (const OptimList& l : lists_) {
-      TORCH_CHECK(l.use == ListUse::kAbsent || l.tensors.size() == n, "amp_patch::", op,
+    for (const ListArg& l : lists_) {
+      TORCH_CHECK(l.use == Use::kAbsent || l.tensors.size() == n, "amp_patch::", op,
                   ": list lengths differ (", lists_[0].name, " has ", n, ", ", l.name, " has ",
                   l.tensors.size(), ")");
-      if (l.use != ListUse::kAbsent) {
+      if (l.use != Use::kAbsent) {
         check_list(op, l.name, l.tensors, device, "the flag and scale tensors");
       }
     }
@@ -173,15 +197,15 @@ class OptimPlan {
   void add_row(const char* op, size_t i) {
     const at::Tensor& lead = lists_[0].tensors[i];
     bool flat = true;
-    for (const OptimList& l : lists_) {
-      if (l.use == ListUse::kAbsent) {
+    for (const ListArg& l : lists_) {
+      if (l.use == Use::kAbsent) {
         continue;
       }
       const at::Tensor& t = l.tensors[i];
       TORCH_CHECK(t.sizes() == lead.sizes(), "amp_patch::", op, ": ", l.name, "[", i,
                   "] has shape ", t.sizes(), " but ", lists_[0].name, "[", i, "] has ",
                   lead.sizes());
-      if (l.use != ListUse::kChecked) {
+      if (l.use != Use::kChecked) {
         flat = flat && t.is_non_overlapping_and_dense() && t.strides() == lead.strides();
       }
     }
@@ -193,10 +217,10 @@ class OptimPlan {
     task.base = static_cast<int32_t>(i);
     Dtypes dtypes{};
     for (int k = 0; k < Depth; ++k) {
-      const OptimList& l = lists_[k];
+      const ListArg& l = lists_[k];
       task.ptr[k] = nullptr;
       dtypes[k] = 0;
-      if (l.use == ListUse::kAbsent || l.use == ListUse::kChecked) {
+      if (l.use == Use::kAbsent || l.use == Use::kChecked) {
         continue;
       }
       at::Tensor t = l.tensors[i];
@@ -205,7 +229,7 @@ class OptimPlan {
         // Even a write-only stand-in starts as a copy: a kernel that skips the
         // step (noop set on the device) must leave the copy-back a no-op.
         at::Tensor stand_in = t.contiguous();
-        if (l.use != ListUse::kRead) {
+        if (l.use != Use::kRead) {
           write_back_.emplace_back(t, stand_in);
         } else {
           keep_alive_.push_back(stand_in);
@@ -217,13 +241,24 @@ class OptimPlan {
     groups_[dtypes].push_back(task);
   }
 
-  std::array<OptimList, Depth> lists_;
+  optim::Lists<Depth> lists_;
   std::map<Dtypes, std::vector<Task<Depth>>> groups_;
   // Stand-ins are freed after the launches; the caching allocator reuses
   // memory in stream order, so that is safe.
   std::vector<at::Tensor> keep_alive_;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };
+
+// Launches op over every dtype group of the plan, on the current stream.
+template <int Depth, typename Op>
+void launch_groups(OptimPlan<Depth>& plan, Op o) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  plan.run([&](const typename OptimPlan<Depth>::Dtypes& dtypes,
+               const std::vector<Task<Depth>>& tasks) {
+    std::copy(dtypes.begin(), dtypes.end(), o.common.dt);
+    multi_tensor_apply<Depth>(tasks, o, stream);
+  });
+}
 
 // The noop flag (float32 found_inf or Apex's int32 buffer) and inv_scale, checked.
 inline OptimCommon optim_common(const char* op, const std::optional<at::Tensor>& noop,
@@ -261,10 +296,6 @@ inline std::optional<at::Device> call_device(at::TensorList lead,
   return std::nullopt;
 }
 
-inline float f32(double x) {
-  return static_cast<float>(x);
-}
-
 // A per-tensor vector (NovoGrad's grad norms, LAMB's norms) on the call's device.
 inline const float* per_tensor(const char* op, const char* what, const at::Tensor& t, size_t n,
                                const at::Device& device) {
@@ -274,6 +305,31 @@ inline const float* per_tensor(const char* op, const char* what, const at::Tenso
               " elements (one per tensor) on ", device, ", got ", t.scalar_type(), " of shape ",
               t.sizes(), " on ", t.device());
   return t.const_data_ptr<float>();
+}
+
+// A whole single-sweep op: the plan of its lists on their device, then one
+// SweepOp launch sequence per dtype group. make_per_tensor(device) returns
+// the per-tensor functor (its inputs checked against the device).
+template <typename Rule, unsigned Read, unsigned Written, size_t Depth, typename Hyper,
+          typename MakePerTensor>
+void run_sweep(const char* op, const optim::Lists<Depth>& lists, const optim::Flags& flags,
+               const Hyper& h, MakePerTensor&& make_per_tensor) {
+  const std::optional<at::Device> device = call_device(lists[0].tensors, flags.noop);
+  if (!device) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(*device);
+  OptimPlan<Depth> plan(op, lists, *device);
+  auto per_tensor = make_per_tensor(*device);
+  launch_groups(plan, SweepOp<Depth, Read, Written, Rule, Hyper, decltype(per_tensor)>{
+                          optim_common(op, flags.noop, flags.inv_scale, *device), h, per_tensor});
+}
+
+template <typename Rule, unsigned Read, unsigned Written, size_t Depth, typename Hyper>
+void run_sweep(const char* op, const optim::Lists<Depth>& lists, const optim::Flags& flags,
+               const Hyper& h) {
+  run_sweep<Rule, Read, Written>(op, lists, flags, h,
+                                 [](const at::Device&) { return NoPerTensor{}; });
 }
 
 }  // namespace amp_patch::cuda
