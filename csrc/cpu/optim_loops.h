@@ -61,7 +61,13 @@ inline double lane_sum(const FVec& acc) {
   return total;
 }
 
-void adam_loop(const float* g, float* p, float* m, float* v, int64_t n, const optim::AdamHyper& h) {
+// Each loop copies its hyper-parameters into a local first: the stores through
+// the float pointers could alias a struct behind a reference, so the compiler
+// would reload every field (and re-test every flag) once per vector.
+
+void adam_loop(const float* g, float* p, float* m, float* v, int64_t n,
+               const optim::AdamHyper& hyper) {
+  const optim::AdamHyper h = hyper;
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c), mv = load(m + i, c), vv = load(v + i, c);
     optim::adam_update(load(g + i, c), pv, mv, vv, h);
@@ -71,19 +77,33 @@ void adam_loop(const float* g, float* p, float* m, float* v, int64_t n, const op
   });
 }
 
-void sgd_loop(const float* g, float* p, float* mom, int64_t n, const optim::SgdHyper& h) {
+template <bool WithMomentum>
+void sgd_loop_impl(const float* g, float* p, float* mom, int64_t n, const optim::SgdHyper& hyper) {
+  const optim::SgdHyper h = hyper;
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c);
-    FVec mv = mom != nullptr ? load(mom + i, c) : FVec(0.0f);
-    optim::sgd_update(load(g + i, c), pv, mom != nullptr ? &mv : nullptr, h);
-    pv.store(p + i, c);
-    if (mom != nullptr) {
+    if constexpr (WithMomentum) {
+      FVec mv = load(mom + i, c);
+      optim::sgd_update(load(g + i, c), pv, &mv, h);
       mv.store(mom + i, c);
+    } else {
+      optim::sgd_update(load(g + i, c), pv, static_cast<FVec*>(nullptr), h);
     }
+    pv.store(p + i, c);
   });
 }
 
-void adagrad_loop(const float* g, float* p, float* sum, int64_t n, const optim::AdagradHyper& h) {
+void sgd_loop(const float* g, float* p, float* mom, int64_t n, const optim::SgdHyper& hyper) {
+  if (hyper.momentum != 0.0f) {
+    sgd_loop_impl<true>(g, p, mom, n, hyper);
+  } else {
+    sgd_loop_impl<false>(g, p, mom, n, hyper);
+  }
+}
+
+void adagrad_loop(const float* g, float* p, float* sum, int64_t n,
+                  const optim::AdagradHyper& hyper) {
+  const optim::AdagradHyper h = hyper;
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c), sv = load(sum + i, c);
     optim::adagrad_update(load(g + i, c), pv, sv, h);
@@ -93,7 +113,8 @@ void adagrad_loop(const float* g, float* p, float* sum, int64_t n, const optim::
 }
 
 void novograd_loop(const float* g, float* p, float* m, int64_t n, float denom,
-                   const optim::NovoGradHyper& h) {
+                   const optim::NovoGradHyper& hyper) {
+  const optim::NovoGradHyper h = hyper;
   const FVec d(denom);
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c), mv = load(m + i, c);
@@ -104,7 +125,8 @@ void novograd_loop(const float* g, float* p, float* m, int64_t n, float denom,
 }
 
 void lamb_moments_loop(const float* g, const float* p, float* m, float* v, int64_t n,
-                       const optim::LambHyper& h, double* sums) {
+                       const optim::LambHyper& hyper, double* sums) {
+  const optim::LambHyper h = hyper;
   FVec p_acc(0.0f), u_acc(0.0f);
   for_vectors(n, [&](int64_t i, int64_t c) {
     // Without p (no weight decay, no trust ratio wanted) the terms that use it are skipped.
@@ -123,7 +145,8 @@ void lamb_moments_loop(const float* g, const float* p, float* m, float* v, int64
 }
 
 void lamb_apply_loop(float* p, const float* m, const float* v, int64_t n, float ratio,
-                     const optim::LambHyper& h) {
+                     const optim::LambHyper& hyper) {
+  const optim::LambHyper h = hyper;
   const FVec r(ratio);
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c);

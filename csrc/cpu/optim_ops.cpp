@@ -247,9 +247,17 @@ template <typename Update>
 void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, Update&& update) {
   const KernelTable& conv = kernels();
   const int nl = plan.lists();
+  // A row of fp32 tensors only needs no tile: the loops run over the whole piece.
+  bool converts = false;
+  for (int k = 0; k < nl; ++k) {
+    const Use use = plan.use(k);
+    converts = converts || use == Use::kCopyOut ||
+        ((use == Use::kRead || use == Use::kUpdate) && row.dt[k] != kF32);
+  }
+  const int64_t tile = converts ? kTile : end - begin;
   alignas(64) float scratch[kMaxLists][kTile];
-  for (int64_t b = begin; b < end; b += kTile) {
-    const int64_t n = std::min(kTile, end - b);
+  for (int64_t b = begin; b < end; b += tile) {
+    const int64_t n = std::min(tile, end - b);
     float* f[kMaxLists] = {};
     for (int k = 0; k < nl; ++k) {
       const Use use = plan.use(k);
