@@ -16,14 +16,8 @@ import torch
 from conftest import DEVICES
 from torch import nn
 
-from amp_patch.optimizers import (
-    FusedAdagrad,
-    FusedAdam,
-    FusedLAMB,
-    FusedMixedPrecisionLamb,
-    FusedNovoGrad,
-    FusedSGD,
-)
+from amp_patch.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from amp_patch.optimizers import FusedMixedPrecisionLamb
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -384,70 +378,52 @@ def _autocast_dtype(device):
     return torch.float16 if device == "cuda" else torch.bfloat16
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("capturable", [False, True])
-def test_adam_grad_scaler(device, capturable):
-    """Apex's testGradScaler and testGradScalerCapturable. With ``capturable`` the scaler hands
-    the optimizer its scale, so ``.grad`` stays scaled (Apex's kernel rewrote it unscaled): the
-    grads are compared after unscaling."""
-    ref, dut = _adam_models(device)
+def _grad_scaler_run(device, ref, dut, opt_, grads_stay_scaled):
+    """Apex's GradScaler loop: torch's Adam and the fused one under autocast, compared each step.
+
+    When the fused optimizer takes the scaler's flags, ``.grad`` stays scaled (Apex's kernel
+    rewrote it unscaled): the grads are unscaled before the comparison.
+    """
+    half = _autocast_dtype(device)
     opt = torch.optim.Adam(ref.parameters(), lr=LR)
-    opt_ = FusedAdam(dut.parameters(), lr=LR, capturable=capturable)
     scaler = torch.amp.GradScaler(device)
     scaler_ = torch.amp.GradScaler(device)
     for _ in range(ADAM_ITERS):
         x, gt = _inputs(device)
-        with torch.autocast(device, dtype=_autocast_dtype(device)):
-            loss = ((gt - ref(x)) ** 2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        with torch.autocast(device, dtype=_autocast_dtype(device)):
-            loss_ = ((gt - dut(x)) ** 2).mean()
-        scaler_.scale(loss_).backward()
-        scale_ = scaler_.get_scale()
-        scaler_.step(opt_)
-        scaler_.update()
-        if capturable:
+        for model, optimizer, grad_scaler in ((ref, opt, scaler), (dut, opt_, scaler_)):
+            with torch.autocast(device, dtype=half):
+                loss = ((gt - model(x)) ** 2).mean()
+            grad_scaler.scale(loss).backward()
+            scale = grad_scaler.get_scale()
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        if grads_stay_scaled:
             for p in dut.parameters():
-                p.grad.div_(scale_)
+                p.grad.div_(scale)
         _compare_modules(ref, dut)
         opt.zero_grad()
         opt_.zero_grad()
         dut.load_state_dict(copy.deepcopy(ref.state_dict()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("capturable", [False, True])
+def test_adam_grad_scaler(device, capturable):
+    """Apex's testGradScaler and testGradScalerCapturable."""
+    ref, dut = _adam_models(device)
+    opt_ = FusedAdam(dut.parameters(), lr=LR, capturable=capturable)
+    _grad_scaler_run(device, ref, dut, opt_, grads_stay_scaled=capturable)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_adam_grad_scaler_capturable_master(device):
     """Apex's testGradScalerCapturableMaster: the conv layers in half, fp32 masters inside FusedAdam."""
     ref, dut = _adam_models(device)
-    half = _autocast_dtype(device)
     for m in dut.modules():
         if isinstance(m, nn.Conv2d):
-            m.to(half)
-    opt = torch.optim.Adam(ref.parameters(), lr=LR)
+            m.to(_autocast_dtype(device))
     opt_ = FusedAdam(dut.parameters(), lr=LR, capturable=True, master_weights=True)
-    scaler = torch.amp.GradScaler(device)
-    scaler_ = torch.amp.GradScaler(device)
-    for _ in range(ADAM_ITERS):
-        x, gt = _inputs(device)
-        with torch.autocast(device, dtype=half):
-            loss = ((gt - ref(x)) ** 2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        with torch.autocast(device, dtype=half):
-            loss_ = ((gt - dut(x)) ** 2).mean()
-        scaler_.scale(loss_).backward()
-        scale_ = scaler_.get_scale()
-        scaler_.step(opt_)
-        scaler_.update()
-        for p in dut.parameters():
-            p.grad.div_(scale_)
-        _compare_modules(ref, dut)
-        opt.zero_grad()
-        opt_.zero_grad()
-        dut.load_state_dict(copy.deepcopy(ref.state_dict()))
+    _grad_scaler_run(device, ref, dut, opt_, grads_stay_scaled=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

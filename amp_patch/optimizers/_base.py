@@ -148,6 +148,30 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if key in self._KEEP_SAVED_DTYPE and isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One fused step over every param that has a grad (or a grad in the step inputs).
+
+        Does nothing when the step inputs' ``found_inf`` is set, or when
+        ``torch.amp.GradScaler`` found an overflow (optimizers that take the
+        scaler's flags).
+
+        Args:
+            closure (callable, optional): re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = self._closure_loss(closure)
+        with self._grad_scaler_inputs():
+            if not self._step_skipped():
+                self._fused_step()
+        return loss
+
+    def _fused_step(self) -> None:
+        """The op calls of one step; each optimizer defines its own."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its fused step")
+
     # ------------------------------------------------------------- for steps
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:

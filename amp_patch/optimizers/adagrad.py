@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 from amp_patch import ops
 from amp_patch.optimizers._base import FusedOptimizer
@@ -51,23 +49,10 @@ class FusedAdagrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none)
         self.adagrad_w_mode = 1 if adagrad_w_mode else 0
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Adagrad step over every param that has a grad.
-
-        Args:
-            closure (callable, optional): re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = self._closure_loss(closure)
-        if self._step_skipped():
-            return loss
+    def _fused_step(self) -> None:
         for group in self.param_groups:
             for b in self._batches(group):
                 ops.multi_tensor_adagrad_(
                     b.grads, b.params, [self._state_tensor(p, "sum") for p in b.keys],
                     b.model_params, b.noop, b.inv_scale, lr=group["lr"], eps=group["eps"],
                     weight_decay=group["weight_decay"], adagrad_w_mode=bool(self.adagrad_w_mode))
-        return loss

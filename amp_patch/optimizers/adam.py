@@ -97,7 +97,6 @@ class FusedAdam(FusedOptimizer):
         if getattr(self, "capturable", False):
             _tensors_to_device(self.param_groups[-1])
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, grads: Any = None,
              output_params: Any = None, scale: Any = None, grad_norms: Any = None) -> Any:
         """One Adam step over every param that has a grad.
@@ -113,14 +112,9 @@ class FusedAdam(FusedOptimizer):
         if any(a is not None for a in (grads, output_params, scale, grad_norms)):
             raise RuntimeError("FusedAdam has been updated. Simply initialize it identically to "
                                "torch.optim.Adam, and call step() with no arguments.")
-        loss = self._closure_loss(closure)
-        with self._grad_scaler_inputs():
-            self._step()
-        return loss
+        return super().step(closure)
 
-    def _step(self) -> None:
-        if self._step_skipped():
-            return
+    def _fused_step(self) -> None:
         for group in self.param_groups:
             if not group["params"]:
                 continue

@@ -17,7 +17,7 @@ the optimizer gives the global norm for clipping (``max_grad_norm``).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,9 +34,7 @@ class _LambBase(FusedOptimizer):
     adam_w_mode: int
     use_nvlamb: bool
 
-    def _lamb_step(self) -> None:
-        if self._step_skipped():
-            return
+    def _fused_step(self) -> None:
         batches = [self._batches(group) for group in self.param_groups]
         norms = _global_grad_norms([b for group_batches in batches for b in group_batches])
         max_grad_norm = self._scalar(self.defaults["max_grad_norm"] or 0.0)
@@ -137,20 +135,6 @@ class FusedLAMB(_LambBase):
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One LAMB step over every param that has a grad.
-
-        Args:
-            closure (callable, optional): re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = self._closure_loss(closure)
-        self._lamb_step()
-        return loss
-
 
 class FusedMixedPrecisionLamb(_LambBase):
     r"""LAMB for reduced-precision models: fp32 masters and state for params of one half dtype.
@@ -237,21 +221,3 @@ class FusedMixedPrecisionLamb(_LambBase):
     def _uses_master(self, p: Tensor) -> bool:
         dtype = getattr(self, "reduced_precision_dtype", None)
         return dtype is not None and p.dtype == dtype
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One LAMB step over every param that has a grad.
-
-        Under ``torch.amp.GradScaler.step`` the grads are read times ``1 / scale``
-        and a found overflow skips the step (see the class note).
-
-        Args:
-            closure (callable, optional): re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = self._closure_loss(closure)
-        with self._grad_scaler_inputs():
-            self._lamb_step()
-        return loss

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -80,19 +80,7 @@ class FusedNovoGrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none)
         self.moment_mode = 0 if reg_inside_moment else 1
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One NovoGrad step over every param that has a grad.
-
-        Args:
-            closure (callable, optional): re-evaluates the model and returns the loss.
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = self._closure_loss(closure)
-        if self._step_skipped():
-            return loss
+    def _fused_step(self) -> None:
         for group in self.param_groups:
             if group["norm_type"] not in (0, 2):
                 raise RuntimeError("FusedNovoGrad only supports the L2 (norm_type=2) and max "
@@ -110,7 +98,6 @@ class FusedNovoGrad(FusedOptimizer):
                     bias_correction=bool(group["bias_correction"]),
                     grad_averaging=bool(group["grad_averaging"]),
                     reg_inside_moment=self.moment_mode == 0)
-        return loss
 
     def _blend_norms(self, group: dict[str, Any], b: _Batch) -> Tensor:
         """Blend this step's grad norms into the batch's second moments; return them stacked."""

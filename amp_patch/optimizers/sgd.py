@@ -82,7 +82,6 @@ class FusedSGD(FusedOptimizer):
         for group in self.param_groups:
             group.setdefault("nesterov", False)
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One SGD step over every param that has a grad.
 
@@ -92,13 +91,14 @@ class FusedSGD(FusedOptimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = self._closure_loss(closure)
-        if not self._step_skipped():
-            for group in self.param_groups:
-                self._sgd_group(group)
+        loss = super().step(closure)
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         return loss
+
+    def _fused_step(self) -> None:
+        for group in self.param_groups:
+            self._sgd_group(group)
 
     def _sgd_group(self, group: dict[str, Any]) -> None:
         momentum = group["momentum"]
