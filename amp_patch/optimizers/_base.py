@@ -88,6 +88,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             ``set_to_none``.
         master_weights (bool): keep an fp32 master for each fp16/bf16 param
             (in ``state[param]["master_param"]``) and step that.
+
+    Example::
+
+        >>> class FusedPlainSGD(FusedOptimizer):
+        ...     def __init__(self, params, lr):
+        ...         super().__init__(params, dict(lr=lr), set_grad_none=True)
+        ...     def _fused_step(self):
+        ...         for group in self.param_groups:
+        ...             for b in self._batches(group):
+        ...                 ops.multi_tensor_sgd_(b.grads, b.params, [], b.model_params, b.noop,
+        ...                                       b.inv_scale, lr=group["lr"])
     """
 
     #: State keys whose saved dtype :meth:`load_state_dict` keeps (fp32 state of half params).
@@ -108,6 +119,12 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         Args:
             set_to_none (bool, optional): overrides ``set_grad_none`` for this call.
+
+        Example::
+
+            >>> opt = FusedSGD(model.parameters(), lr=0.1)   # set_grad_none=False, as in Apex
+            >>> opt.zero_grad()                  # grads zeroed
+            >>> opt.zero_grad(set_to_none=True)  # grads set to None
         """
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
@@ -138,6 +155,12 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         Args:
             state_dict (dict): from :meth:`state_dict`.
+
+        Example::
+
+            >>> opt.load_state_dict(torch.load("ckpt.pt")["optimizer"])
+            >>> opt.state[half_param]["exp_avg"].dtype
+            torch.float32
         """
         saved = state_dict["state"]
         flat = [p for group in self.param_groups for p in group["params"]]
@@ -161,6 +184,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         Returns:
             The closure's loss, or None.
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward()
+            >>> opt.step()
         """
         loss = self._closure_loss(closure)
         with self._grad_scaler_inputs():

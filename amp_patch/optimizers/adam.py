@@ -92,6 +92,10 @@ class FusedAdam(FusedOptimizer):
 
         Args:
             param_group (dict): as for ``torch.optim.Optimizer.add_param_group``.
+
+        Example::
+
+            >>> opt.add_param_group({"params": head.parameters(), "lr": 1e-4})
         """
         super().add_param_group(param_group)
         if getattr(self, "capturable", False):
@@ -108,6 +112,10 @@ class FusedAdam(FusedOptimizer):
 
         Returns:
             The closure's loss, or None.
+
+        Example::
+
+            >>> opt.step()
         """
         if any(a is not None for a in (grads, output_params, scale, grad_norms)):
             raise RuntimeError("FusedAdam has been updated. Simply initialize it identically to "

@@ -207,6 +207,12 @@ class FusedMixedPrecisionLamb(_LambBase):
         Args:
             param_group (dict): as for ``torch.optim.Optimizer.add_param_group``;
                 an ``lr`` given as a float becomes a tensor.
+
+        Example::
+
+            >>> opt.add_param_group({"params": head.parameters(), "lr": 1e-4})
+            >>> opt.param_groups[-1]["lr"]
+            tensor(1.0000e-04)
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]

@@ -90,6 +90,10 @@ class FusedSGD(FusedOptimizer):
 
         Returns:
             The closure's loss, or None.
+
+        Example::
+
+            >>> opt.step()
         """
         loss = super().step(closure)
         self.most_recent_scale = 1.0
