@@ -4,7 +4,8 @@
 // One call updates many tensors. Its lists (grads, params, moments, the
 // optional half model copies) are lined up into rows, one per tensor index, of
 // flat memory. The concatenation of all rows is cut into tasks of equal size
-// that the threads take from a shared counter, as multi_tensor_ops.cpp does.
+// (plan.h's kTaskElems) that the threads take from a shared counter, as Plan
+// does for the loss-scaling ops.
 // Within a task each row is walked in tiles: fp32 tensors are handed to the
 // loops where they lie, fp16/bf16 ones are widened into a stack tile first and
 // narrowed back after, so a tile is read from memory once and written once.
@@ -19,7 +20,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <deque>
 #include <optional>
@@ -31,10 +31,7 @@
 #include "cpu/kernel_table.h"
 #include "cpu/optim_args.h"
 #include "cpu/optim_table.h"
-
-#if AT_PARALLEL_OPENMP && defined(__linux__) && !defined(_OPENMP)
-#error "amp_patch's CPU kernels must be compiled with -fopenmp, or they run on one thread"
-#endif
+#include "cpu/plan.h"
 
 namespace amp_patch::cpu {
 
@@ -58,8 +55,6 @@ const OptimTable& optim_kernels() {
 namespace {
 
 constexpr int kMaxLists = 5;
-// Elements per parallel task (see multi_tensor_ops.cpp for the trade-off).
-constexpr int64_t kTaskElems = 32768;
 // Elements per tile: five fp32 tiles (20 KB) stay in L1 between the widening,
 // the update and the narrowing.
 constexpr int64_t kTile = 1024;
@@ -74,13 +69,6 @@ struct Row {
   int64_t numel = 0;
 };
 
-// A piece of one row: elements [begin, end).
-struct Piece {
-  int64_t row;
-  int64_t begin;
-  int64_t end;
-};
-
 Dt element_type(const at::Tensor& t, const char* op, const char* list, size_t i) {
   const at::ScalarType st = t.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "amp_patch::", op, ": ",
@@ -89,27 +77,22 @@ Dt element_type(const at::Tensor& t, const char* op, const char* list, size_t i)
   return st == at::kFloat ? kF32 : (st == at::kHalf ? kF16 : kBF16);
 }
 
-char* at_element(void* base, Dt dt, int64_t i) {
-  return static_cast<char*>(base) + i * (dt == kF32 ? 4 : 2);
-}
-
-// A one-element flag or scale tensor on the CPU, read once by the host.
-float read_one(const at::Tensor& t, const char* op, const char* what, bool allow_int) {
-  TORCH_CHECK(t.device().is_cpu(), "amp_patch::", op, ": ", what, " is on ", t.device(),
-              "; the CPU kernel needs it on the CPU");
-  const bool is_int = allow_int && t.scalar_type() == at::kInt;
-  TORCH_CHECK(t.numel() == 1 && (t.scalar_type() == at::kFloat || is_int), "amp_patch::", op, ": ",
-              what, " must be a one-element float32", allow_int ? " or int32" : "",
-              " tensor, got ", t.scalar_type(), " with ", t.numel(), " elements");
-  return is_int ? static_cast<float>(*t.const_data_ptr<int32_t>()) : *t.const_data_ptr<float>();
-}
-
+// The noop flag: amp_patch's float32 found_inf or Apex's int32 noop buffer.
 bool step_skipped(const std::optional<at::Tensor>& noop, const char* op) {
-  return noop.has_value() && read_one(*noop, op, "noop", /*allow_int=*/true) != 0.0f;
+  if (!noop.has_value()) {
+    return false;
+  }
+  if (noop->scalar_type() == at::kInt) {
+    check_cpu(*noop, op, "noop");
+    TORCH_CHECK(noop->numel() == 1, "amp_patch::", op, ": noop must have one element, got ",
+                noop->numel());
+    return *noop->const_data_ptr<int32_t>() != 0;
+  }
+  return read_scalar(*noop, op, "noop (float32, or Apex's int32)") != 0.0f;
 }
 
 float scale_or_one(const std::optional<at::Tensor>& inv_scale, const char* op) {
-  return inv_scale.has_value() ? read_one(*inv_scale, op, "inv_scale", /*allow_int=*/false) : 1.0f;
+  return inv_scale.has_value() ? read_scalar(*inv_scale, op, "inv_scale") : 1.0f;
 }
 
 // The rows and tasks of one call, with the contiguous stand-ins for tensors
@@ -128,11 +111,12 @@ class RowPlan {
     for (size_t i = 0; i < n; ++i) {
       add_row(i);
     }
-    cut_tasks();
+    tasks_.cut(rows_.size(), [&](size_t r) { return rows_[r].numel; });
   }
 
   const std::vector<Row>& rows() const { return rows_; }
-  const std::vector<Piece>& pieces() const { return pieces_; }
+  // The pieces of the rows (Span::job is the row), in task order.
+  const std::vector<Span>& pieces() const { return tasks_.spans(); }
   Use use(int k) const { return lists_[k].use; }
   int copy_of(int k) const { return lists_[k].copy_of; }
   int lists() const { return static_cast<int>(lists_.size()); }
@@ -140,21 +124,10 @@ class RowPlan {
   // Runs f(piece_index, piece) over every piece, the tasks spread over the threads.
   template <typename F>
   void run(const F& f) const {
-    const int64_t ntasks = static_cast<int64_t>(task_first_.size()) - 1;
-    std::atomic<int64_t> next{0};
-    auto worker = [&](int64_t, int64_t) {
-      for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) {
-        for (int64_t s = task_first_[t]; s < task_first_[t + 1]; ++s) {
-          f(s, pieces_[s]);
-        }
-      }
-    };
-    const int64_t threads = std::min<int64_t>(ntasks, at::get_num_threads());
-    if (threads <= 1) {
-      worker(0, 1);
-    } else {
-      at::parallel_for(0, threads, 1, worker);
-    }
+    tasks_.run([&](int64_t s, const Span& piece) {
+      f(s, piece);
+      return false;
+    });
   }
 
   // Copies the stand-ins of written tensors back into the caller's tensors.
@@ -176,8 +149,7 @@ class RowPlan {
         continue;
       }
       const at::Tensor& t = l.tensors[i];
-      TORCH_CHECK(t.device().is_cpu(), "amp_patch::", op_, ": ", l.name, "[", i, "] is on ",
-                  t.device(), "; the CPU kernel needs every tensor on the CPU");
+      check_cpu(t, op_, l.name);
       TORCH_CHECK(t.sizes() == lead.sizes(), "amp_patch::", op_, ": ", l.name, "[", i,
                   "] has shape ", t.sizes(), " but ", lists_[0].name, "[", i, "] has ",
                   lead.sizes());
@@ -210,31 +182,10 @@ class RowPlan {
     }
   }
 
-  void cut_tasks() {
-    task_first_.push_back(0);
-    int64_t room = kTaskElems;
-    for (size_t r = 0; r < rows_.size(); ++r) {
-      for (int64_t at = 0; at < rows_[r].numel;) {
-        const int64_t len = std::min(room, rows_[r].numel - at);
-        pieces_.push_back({static_cast<int64_t>(r), at, at + len});
-        at += len;
-        room -= len;
-        if (room == 0) {
-          task_first_.push_back(static_cast<int64_t>(pieces_.size()));
-          room = kTaskElems;
-        }
-      }
-    }
-    if (task_first_.back() != static_cast<int64_t>(pieces_.size())) {
-      task_first_.push_back(static_cast<int64_t>(pieces_.size()));
-    }
-  }
-
   const char* op_;
   std::vector<ListArg> lists_;
   std::vector<Row> rows_;
-  std::vector<Piece> pieces_;
-  std::vector<int64_t> task_first_;
+  Tasks tasks_;
   std::deque<at::Tensor> kept_;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };
@@ -265,9 +216,9 @@ void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, 
         continue;
       }
       if (row.dt[k] == kF32) {
-        f[k] = reinterpret_cast<float*>(at_element(row.ptr[k], kF32, b));
+        f[k] = static_cast<float*>(offset(row.ptr[k], kF32, b));
       } else {
-        conv.copy[row.dt[k]][kF32](at_element(row.ptr[k], row.dt[k], b), scratch[k], n);
+        conv.copy[row.dt[k]][kF32](offset(row.ptr[k], row.dt[k], b), scratch[k], n);
         f[k] = scratch[k];
       }
     }
@@ -275,9 +226,9 @@ void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, 
     for (int k = 0; k < nl; ++k) {
       const Use use = plan.use(k);
       if (use == Use::kUpdate && row.dt[k] != kF32) {
-        conv.copy[kF32][row.dt[k]](scratch[k], at_element(row.ptr[k], row.dt[k], b), n);
+        conv.copy[kF32][row.dt[k]](scratch[k], offset(row.ptr[k], row.dt[k], b), n);
       } else if (use == Use::kCopyOut) {
-        conv.copy[kF32][row.dt[k]](f[plan.copy_of(k)], at_element(row.ptr[k], row.dt[k], b), n);
+        conv.copy[kF32][row.dt[k]](f[plan.copy_of(k)], offset(row.ptr[k], row.dt[k], b), n);
       }
     }
   }
@@ -290,10 +241,10 @@ void run_elementwise(RowPlan& plan, bool skip, const Update& update) {
     return;
   }
   const auto& rows = plan.rows();
-  plan.run([&](int64_t, const Piece& pc) {
-    const Row& row = rows[pc.row];
+  plan.run([&](int64_t, const Span& pc) {
+    const Row& row = rows[pc.job];
     for_tiles(plan, row, pc.begin, pc.end, [&](float* const* f, int64_t n) {
-      update(pc.row, f, n);
+      update(pc.job, f, n);
     });
   });
   plan.finish();
@@ -368,7 +319,7 @@ struct CpuBackend {
       const optim::LambHyper& hyper, const at::Tensor& global_grad_norm, float max_grad_norm) {
     RowPlan plan(op, lists);
     optim::LambHyper h = scaled(hyper, flags, op);
-    const float norm = read_one(global_grad_norm, op, "global_grad_norm", false) * h.inv_scale;
+    const float norm = read_scalar(global_grad_norm, op, "global_grad_norm") * h.inv_scale;
     h.clip = max_grad_norm > 0.0f && norm > max_grad_norm ? norm / max_grad_norm : 1.0f;
     const auto fp32 = at::TensorOptions().dtype(at::kFloat);
     const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
@@ -382,16 +333,16 @@ struct CpuBackend {
     std::vector<std::array<double, 2>> partial(plan.pieces().size(), {0.0, 0.0});
     const OptimTable& k = optim_kernels();
     const auto& rows = plan.rows();
-    plan.run([&](int64_t s, const Piece& pc) {
-      for_tiles(plan, rows[pc.row], pc.begin, pc.end, [&](float* const* f, int64_t len) {
+    plan.run([&](int64_t s, const Span& pc) {
+      for_tiles(plan, rows[pc.job], pc.begin, pc.end, [&](float* const* f, int64_t len) {
         k.lamb_moments(f[0], f[1], f[2], f[3], len, h, partial[s].data());
       });
     });
     plan.finish();
     std::vector<std::array<double, 2>> sums(n, {0.0, 0.0});
     for (size_t i = 0; i < partial.size(); ++i) {
-      sums[plan.pieces()[i].row][0] += partial[i][0];
-      sums[plan.pieces()[i].row][1] += partial[i][1];
+      sums[plan.pieces()[i].job][0] += partial[i][0];
+      sums[plan.pieces()[i].job][1] += partial[i][1];
     }
     float* pn = param_norms.mutable_data_ptr<float>();
     float* un = update_norms.mutable_data_ptr<float>();
