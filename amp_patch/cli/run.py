@@ -13,6 +13,7 @@ from amp_patch import _logging
 from amp_patch import session as _session
 from amp_patch.apex_compat import import_hook
 from amp_patch.cli.cuda_on_cpu import CudaOnCpu
+from amp_patch.cli.machine import HostFacts, cpu_half_banner
 from amp_patch.cli.options import UsageError, parse_device
 from amp_patch.cli.trainer import HALF_DTYPES
 
@@ -108,6 +109,10 @@ def run_script(target: str, args: list[str], *, module: bool = False, shadow_ape
         if cuda_on_cpu is not None:
             cuda_on_cpu.install()
             logger.info(cuda_on_cpu.summary())
+            half = next(k for k, v in HALF_DTYPES.items() if v is cuda_on_cpu.half_dtype)
+            banner = cpu_half_banner(HostFacts.collect("cpu"), half)
+            if banner:
+                logger.warning("amp-patch run --device cpu: %s", banner)
         sys.argv = [target, *args]
         if module:
             sys.path.insert(0, os.getcwd())
