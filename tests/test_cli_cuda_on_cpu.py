@@ -182,6 +182,9 @@ def test_torch_cuda_queries_streams_and_events():
     (lambda: torch.cuda.get_device_properties(0), "torch.cuda.get_device_properties()"),
     (lambda: torch.cuda.memory_allocated(), "torch.cuda.memory_allocated()"),
     (lambda: torch.cuda.cudart(), "torch.cuda.cudart()"),
+    (lambda: torch.cuda.CUDAGraph(), "torch.cuda.CUDAGraph()"),
+    (lambda: torch.cuda.graph(None), "torch.cuda.graph()"),
+    (lambda: torch.cuda.ExternalStream(0), "torch.cuda.ExternalStream()"),
     (lambda: torch.cuda.Event(interprocess=True), "torch.cuda.Event(interprocess=True)"),
 ])
 def test_unmapped_calls_fail_naming_the_call(call, name):

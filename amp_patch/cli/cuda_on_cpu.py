@@ -86,6 +86,20 @@ def _not_mapped(name: str) -> Callable[..., Any]:
     return refuse
 
 
+def _refusing_class(name: str, original: type) -> Any:
+    """A subclass of ``original`` that cannot be instantiated: the error names ``name``."""
+    refuse = _not_mapped(name)
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        refuse()
+
+    try:
+        return type(original.__name__, (original,), {"__new__": __new__,
+                                                     "__module__": original.__module__})
+    except TypeError:  # not subclassable: a function that refuses serves the same calls
+        return refuse
+
+
 def _cpu_if_cuda(device: Any) -> Any:
     """``device`` with every CUDA device replaced by the CPU; anything else unchanged."""
     if isinstance(device, torch.device):
@@ -431,13 +445,18 @@ class CudaOnCpu:
             "device": lambda device: _DeviceContext(self, device),
             "device_of": lambda obj: _DeviceContext(self, obj),
         }
-        refused = [n for n in dir(cuda) if not n.startswith("_") and n not in mapped
-                   and (inspect.isfunction(getattr(cuda, n)) or inspect.isbuiltin(getattr(cuda, n)))
-                   and (getattr(getattr(cuda, n), "__module__", "") or "").startswith("torch.cuda")]
+        own = {n: getattr(cuda, n) for n in dir(cuda) if not n.startswith("_") and n not in mapped
+               and (getattr(getattr(cuda, n), "__module__", "") or "").startswith("torch.cuda")}
         for n, value in mapped.items():
             self._set(cuda, n, value)
-        for n in refused:
-            self._set(cuda, n, _not_mapped(f"torch.cuda.{n}"))
+        for n, value in own.items():
+            if inspect.isfunction(value) or inspect.isbuiltin(value):
+                self._set(cuda, n, _not_mapped(f"torch.cuda.{n}"))
+            elif (inspect.isclass(value) and not issubclass(value, BaseException)
+                  and n not in _TENSOR_TYPES + ("HalfTensor", "cudaStatus")):
+                # CUDAGraph, graph, ExternalStream, MemPool, the storage types, ...;
+                # exception types stay, so that `except torch.cuda.OutOfMemoryError` still works.
+                self._set(cuda, n, _refusing_class(f"torch.cuda.{n}", value))
         nvtx = cuda.nvtx
         self._set(nvtx, "range_push", lambda msg: 0)
         self._set(nvtx, "range_pop", lambda: 0)
