@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from amp_patch.cli import models  # noqa: E402
-from amp_patch.cli.machine import HostFacts, cpu_half_banner  # noqa: E402
+from amp_patch.cli.machine import MIN_ROUNDS, HostFacts, cpu_half_banner  # noqa: E402
 from amp_patch.cli.rounds import JobSpec, LevelRecord, median_step_seconds  # noqa: E402
 from amp_patch.cli.rounds import measure as measure_levels  # noqa: E402
 from amp_patch.cli.trainer import HALF_DTYPES, LEVELS  # noqa: E402
@@ -159,6 +159,9 @@ def report(results: dict[str, dict[str, dict]], device: str, half: str, rounds: 
     banner = cpu_half_banner(HostFacts.collect(device), half)
     if banner:
         parts += [f"> {banner}", ""]
+    if rounds < MIN_ROUNDS:
+        parts += [f"> {rounds} round(s): a smoke test, not a measurement (a speed needs "
+                  f"{MIN_ROUNDS} rounds at least).", ""]
     for allocator, by_workload in results.items():
         for workload, res in by_workload.items():
             heading = f"### {workload}: {WORKLOADS[workload]['about']}"

@@ -36,7 +36,8 @@ __all__ = [
     "cpu_half_banner",
 ]
 
-#: The 1-minute load average per usable CPU, before or after, above which the machine is busy.
+#: The 1-minute load average per usable CPU before the run above which the machine is busy. (After
+#: the run it counts compare's own processes too; others_share covers the time in between.)
 LOAD_AVERAGE_LIMIT = 0.5
 #: The share of the machine's CPU time that other processes took during the measurement,
 #: above which it counts as busy (one busy process on a 2-CPU machine takes 0.5).
@@ -265,10 +266,10 @@ def reliability_warnings(load: LoadMonitor, spreads: dict[str, float | None],
         list of str: empty when nothing was found wrong.
     """
     out = []
-    for when, avg in (("before", load.load_before), ("after", load.load_after)):
-        if avg and avg[0] > LOAD_AVERAGE_LIMIT * cpus:
-            out.append(f"the machine was busy {when} the run: 1-minute load average "
-                       f"{avg[0]:.2f} on {cpus} CPUs (limit {LOAD_AVERAGE_LIMIT * cpus:.2f})")
+    avg = load.load_before
+    if avg and avg[0] > LOAD_AVERAGE_LIMIT * cpus:
+        out.append(f"the machine was busy before the run: 1-minute load average "
+                   f"{avg[0]:.2f} on {cpus} CPUs (limit {LOAD_AVERAGE_LIMIT * cpus:.2f})")
     if load.others_share is not None and load.others_share > OTHERS_SHARE_LIMIT:
         out.append(f"other processes took {load.others_share:.0%} of the machine's CPU time "
                    f"during the run (limit {OTHERS_SHARE_LIMIT:.0%})")
