@@ -34,10 +34,11 @@ EXT_STAMP := build/.ext-stamp-$(subst /,_,$(PYTHON))
 
 .PHONY: demo test test-fast bench check-cuda install clean
 
-$(VENV)/.deps-stamp: requirements-dev.txt
+$(VENV)/.deps-stamp: requirements-dev.txt requirements-nodeps.txt
 	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -r requirements-dev.txt
+	$(VENV)/bin/python -m pip install -q --no-deps -r requirements-nodeps.txt
 	@touch $@
 
 $(EXT_STAMP): $(ENV_STAMP) $(EXT_SOURCES)

@@ -12,7 +12,8 @@ Use it as Apex's ``amp`` was used::
 Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
 """
 
-from amp_patch import ops
+from amp_patch import cpu_half, ops
+from amp_patch.cpu_half import cpu_half_support
 from amp_patch.apex_compat.multi_tensor_apply import multi_tensor_applier
 from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
 from amp_patch.handle import scale_loss
@@ -52,6 +53,9 @@ __all__ = [
     "register_promote_function",
     # legacy handle API
     "init",
+    # half compute on the CPU
+    "cpu_half_support",
+    "cpu_half",
     # kernels
     "ops",
     "multi_tensor_applier",

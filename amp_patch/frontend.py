@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any, Sequence, TypeVar
 
 import torch
@@ -34,6 +36,8 @@ def initialize(
     max_loss_scale: float = 2.0**24,
     *,
     half_dtype: torch.dtype | None = None,
+    max_consecutive_skips: int | None = None,
+    cpu_half_compute: str | None = None,
 ):
     """Set up mixed precision for models and optimizers at an opt level.
 
@@ -47,7 +51,8 @@ def initialize(
         models (torch.nn.Module or list of torch.nn.Module): the models. Wrap
             them in DataParallel or DistributedDataParallel *after* this call.
         optimizers (torch.optim.Optimizer or list, optional): the optimizers,
-            built over the models' parameters. Default: None.
+            built over the models' parameters; Apex's LARC around one is
+            accepted too. Default: None.
         enabled (bool, optional): False makes this call and :func:`scale_loss`
             no-ops. Default: True.
         opt_level (str, optional): ``"O0"`` fp32, ``"O1"`` patched torch
@@ -67,13 +72,24 @@ def initialize(
         max_loss_scale (float, optional): ceiling of the dynamic scale. Default: 2**24.
         half_dtype (torch.dtype, optional): ``torch.float16`` or
             ``torch.bfloat16``. Default: fp16 for models on CUDA, else bf16.
+        max_consecutive_skips (int, optional): with a static loss scale, the
+            consecutive skipped steps of one loss allowed before the next
+            overflow raises :class:`~amp_patch.scaler.LossScaleCollapseError`.
+            Default: 50.
+        cpu_half_compute (str, optional): ``"auto"``, ``"native"`` or
+            ``"emulate"``: whether half matmuls and convolutions on the CPU are
+            emulated (fp32 compute, outputs rounded to half). ``"auto"``
+            emulates where :func:`amp_patch.cpu_half_support` reports the host
+            not native. Default: ``"auto"``.
 
     Returns:
         The models and optimizers, as passed.
 
     Raises:
         ValueError: an unknown opt level, a disallowed override, the same
-            optimizer twice, or parameters on more than one device type.
+            optimizer twice, parameters on more than one device type, or (at
+            O2/O3) optimizer parameters that belong to none of the models (at
+            O0/O1 those are a warning) or float64 parameters.
         TypeError: a model or optimizer of the wrong type (a tuple where a
             list is expected, a wrapped model).
         RuntimeError: a session is already live; call :func:`deinitialize` first.
@@ -85,11 +101,13 @@ def initialize(
         ...     scaled_loss.backward()
         >>> optimizer.step()
     """
-    model_list, models_listed = _as_list(models, nn.Module, "models")
+    from amp_patch.optim import OPTIMIZER_TYPES
+
+    model_list, models_listed = _as_list(models, (nn.Module,), "models")
     if optimizers is None:
         opt_list, opts_listed = [], False
     else:
-        opt_list, opts_listed = _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+        opt_list, opts_listed = _as_list(optimizers, OPTIMIZER_TYPES, "optimizers")
     _check_models(model_list)
     _check_optimizers(opt_list)
 
@@ -107,8 +125,13 @@ def initialize(
         verbosity=verbosity,
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
+        max_consecutive_skips=max_consecutive_skips,
+        cpu_half_compute=cpu_half_compute,
     )
     _logging.configure(props.verbosity)
+    if props.enabled:
+        _check_params_belong(model_list, opt_list, props)
+        _check_no_float64_params(model_list, props)
 
     session = _session.AmpSession(props, model_list, opt_list)
     _session.activate(session)
@@ -116,8 +139,9 @@ def initialize(
         try:
             _build(session)
         except BaseException:
-            _session.reset()
+            _session.reset(abort=True)  # nothing stays half-applied, model dtypes included
             raise
+        session.commit()
         _logging.logger.info("%s", props.describe())
     else:
         _logging.logger.info("amp_patch is disabled (enabled=False): models and optimizers unchanged")
@@ -130,16 +154,20 @@ def initialize(
 
 def _build(session: _session.AmpSession) -> None:
     # Imported here: these modules import torch-heavy pieces that need ops registered first.
-    from amp_patch import model as _model, optim as _optim
+    from amp_patch import cpu_half as _cpu_half, model as _model, optim as _optim
     from amp_patch.patching import install as _install_patches
+    from amp_patch.patching.state import disable_casts
     from amp_patch.scaler import LossScaler
 
     props = session.props
     _model.prepare(session)
+    # Before O1's patches, so that O1's wrappers call the emulating ones they find.
+    _cpu_half.install(session)
     if props.patch_torch_functions:
         _install_patches(session)
     for optimizer in session.optimizers:
-        session.optimizer_records[id(optimizer)] = _optim.process(optimizer, session)
+        session.optimizer_records[id(optimizer)] = _optim.process(
+            optimizer, bool(props.master_weights), session.on_close, disable_casts)
     session.scalers = [LossScaler.from_properties(props, loss_id=i)
                        for i in range(props.num_losses)]
 
@@ -185,39 +213,58 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     """Restore the loss scalers' state saved by :func:`state_dict`. Call after :func:`initialize`.
 
     Args:
-        state (dict): as returned by :func:`state_dict`.
+        state (dict): as returned by :func:`state_dict`: ``{"loss_scaler0":
+            {"loss_scale": float, "unskipped": int, ...}, ...}``, one entry per
+            loss; other keys are ignored.
 
     Raises:
-        RuntimeError: if :func:`initialize` was not called, or the number of
-            scalers differs from ``num_losses``.
+        RuntimeError: if :func:`initialize` was not called, or the checkpoint's
+            scalers are not ``loss_scaler0`` to ``loss_scaler{num_losses - 1}``.
+        TypeError: ``state``, or one scaler's entry, is not a dict.
+        ValueError: a key ``loss_scaler...`` without a number, or an entry
+            without ``loss_scale`` and ``unskipped`` or with bad values.
+
+    Every entry is checked before any is loaded: a bad checkpoint changes nothing.
     """
     session = _session.require("amp_patch.load_state_dict()")
     if not session.props.enabled:
         return
-    keys = sorted((k for k in state if k.startswith("loss_scaler")), key=lambda k: int(k[11:]))
-    if len(keys) != len(session.scalers):
+    n = len(session.scalers)
+    expected = [f"loss_scaler{i}" for i in range(n)]
+    form = ("the dict that amp_patch.state_dict() returns, {'loss_scaler0': {'loss_scale': "
+            "float, 'unskipped': int}, ...}")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"amp_patch.load_state_dict() takes {form}; got {type(state).__name__}")
+    keys = [k for k in state if isinstance(k, str) and k.startswith("loss_scaler")]
+    bad = [k for k in keys if not k[len("loss_scaler"):].isdigit()]
+    if bad:
+        raise ValueError(f"unexpected key {bad[0]!r} in the amp state: loss scalers are saved as "
+                         f"{', '.join(expected)} (loss_scaler followed by the loss_id)")
+    if sorted(keys) != sorted(expected):
         raise RuntimeError(
-            f"the checkpoint holds {len(keys)} loss scaler(s) but initialize() was called with "
-            f"num_losses={len(session.scalers)}"
+            f"the checkpoint holds the loss scalers {sorted(keys)} but initialize() was called "
+            f"with num_losses={n}, which needs {expected}"
         )
-    for i, scaler in enumerate(session.scalers):
-        scaler.load_state_dict(state[f"loss_scaler{i}"])
+    for key, scaler in zip(expected, session.scalers):
+        scaler.check_state_dict(state[key])
+    for key, scaler in zip(expected, session.scalers):
+        scaler.load_state_dict(state[key])
 
 
-def _as_list(value: Any, kind: type, name: str) -> tuple[list, bool]:
-    if isinstance(value, kind):
+def _as_list(value: Any, kinds: tuple[type, ...], name: str) -> tuple[list, bool]:
+    if isinstance(value, kinds):
         return [value], False
+    described = " or ".join(f"{k.__module__}.{k.__qualname__}" for k in kinds)
     if isinstance(value, list):
         if not value:
             raise ValueError(f"{name} is an empty list")
-        bad = [type(v).__name__ for v in value if not isinstance(v, kind)]
+        bad = [type(v).__name__ for v in value if not isinstance(v, kinds)]
         if bad:
-            raise TypeError(f"{name} must be {kind.__name__} objects; got {', '.join(bad)}")
+            raise TypeError(f"{name} must be {described} objects; got {', '.join(bad)}")
         return list(value), True
     hint = " (pass a list, not a tuple)" if isinstance(value, tuple) else ""
     raise TypeError(
-        f"{name} must be a {kind.__module__}.{kind.__qualname__} or a list of them, "
-        f"got {type(value).__name__}{hint}"
+        f"{name} must be a {described} or a list of them, got {type(value).__name__}{hint}"
     )
 
 
@@ -236,14 +283,58 @@ def _check_models(models: Sequence[nn.Module]) -> None:
         )
 
 
-def _check_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def _check_optimizers(optimizers: Sequence[Any]) -> None:
+    from amp_patch.optim import underlying_optimizer
+
     seen: set[int] = set()
     for opt in optimizers:
-        if id(opt) in seen:
+        inner = underlying_optimizer(opt)  # a LARC and the optimizer it wraps are one
+        if id(inner) in seen:
             raise ValueError(
-                f"the same optimizer ({type(opt).__name__}) was passed to initialize twice"
+                f"the same optimizer ({type(inner).__name__}) was passed to initialize twice"
             )
-        seen.add(id(opt))
+        seen.add(id(inner))
+
+
+def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
+                         props: Properties) -> None:
+    """Optimizer params outside every model: an error where the models are cast (O2/O3: the
+    optimizer would step tensors the cast models no longer use), else a warning."""
+    from amp_patch.optim import underlying_optimizer
+
+    owned = {id(p) for m in models for p in m.parameters()}
+    foreign = [f"{type(opt).__name__} param_groups[{gi}]['params'][{pi}] "
+               f"(shape {tuple(p.shape)}, {p.dtype})"
+               for opt in map(underlying_optimizer, optimizers)
+               for gi, group in enumerate(opt.param_groups)
+               for pi, p in enumerate(group["params"]) if id(p) not in owned]
+    if not foreign:
+        return
+    n = len(foreign)
+    shown = ", ".join(foreign[:5]) + (f", and {n - 5} more" if n > 5 else "")
+    what = (f"{n} parameter{'s' if n > 1 else ''} of the optimizers belong{'s' if n == 1 else ''} "
+            f"to none of the models passed to amp_patch.initialize(): {shown}")
+    if props.opt_level in ("O2", "O3"):
+        raise ValueError(f"{what}. {props.opt_level} casts the models passed, so the optimizer "
+                         "must be built over their parameters: pass every model it steps.")
+    warnings.warn(f"{what}. amp will step them but casts nothing for them; pass every model "
+                  "the optimizer steps.", stacklevel=3)
+
+
+def _check_no_float64_params(models: Sequence[nn.Module], props: Properties) -> None:
+    """amp casts fp16/bf16/fp32 only; a float64 param left in a half model fails at the first
+    forward with a dtype mismatch, so say it here, by name."""
+    if props.cast_model_type not in (torch.float16, torch.bfloat16):
+        return
+    from amp_patch.model import named_parameters
+
+    doubles = [name for name, p in named_parameters(list(models)) if p.dtype == torch.float64]
+    if doubles:
+        raise ValueError(
+            f"{props.opt_level} casts the model to {props.cast_model_type}, but amp leaves float64 "
+            f"parameters as they are, and these would then meet half inputs: {', '.join(doubles)}. "
+            "Convert the model to float32 (model.float()) before amp_patch.initialize()."
+        )
 
 
 def _floating_tensors(model: nn.Module):

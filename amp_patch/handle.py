@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from amp_patch import session as _session
-from amp_patch.optim import OptimizerRecord
+from amp_patch.optim import OPTIMIZER_TYPES
 from amp_patch.scaler import LossScaleCollapseError
+
+if TYPE_CHECKING:
+    from amp_patch.optim import OptimizerRecord
 
 __all__ = ["scale_loss"]
 
@@ -58,8 +61,10 @@ def scale_loss(
         Tensor: the scaled loss, fp32.
 
     Raises:
+        TypeError: ``loss`` is not a tensor, or ``optimizers`` not optimizers.
         RuntimeError: :func:`amp_patch.initialize` was not called, ``loss_id``
-            is out of range, or an optimizer was not passed to initialize.
+            is out of range, an optimizer was not passed to initialize, or this
+            block is nested in another ``scale_loss`` block.
         amp_patch.scaler.LossScaleCollapseError: the dynamic scale would fall
             below its floor; names the params with non-finite grads.
 
@@ -78,6 +83,12 @@ def scale_loss(
     if not props.enabled:
         yield loss
         return
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            "scale_loss: the loss must be a torch.Tensor (the one to call backward() on, "
+            f"as in `with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()`); "
+            f"got {type(loss).__name__}"
+        )
     opt_list = _as_optimizer_list(optimizers)
     if not isinstance(loss_id, int) or isinstance(loss_id, bool) or not 0 <= loss_id < props.num_losses:
         raise RuntimeError(
@@ -85,7 +96,29 @@ def scale_loss(
             f"num_losses={props.num_losses}, so loss_id must be in 0..{props.num_losses - 1}"
         )
     records = [session.record_for(opt) for opt in opt_list]
-    if props.skips_unscale:
+    if session.scale_loss_open:
+        # The inner block's prepare_backward would stash the outer's still scaled grads
+        # as if unscaled, and the sum would come out with the inner loss counted twice.
+        raise RuntimeError(
+            "amp_patch.scale_loss() blocks cannot be nested: the scale_loss block of an "
+            "earlier loss is still open. Close it (call its backward() inside it) before "
+            "entering the next one; losses may share one block (scale_loss(loss1 + loss2, ...)) "
+            "or follow each other with their own loss_id."
+        )
+    session.scale_loss_open = True
+    try:
+        yield from _scaled_backward(session, loss, records, loss_id, delay_unscale,
+                                    delay_overflow_check)
+    finally:
+        session.scale_loss_open = False
+
+
+def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[OptimizerRecord],
+                     loss_id: int, delay_unscale: bool,
+                     delay_overflow_check: bool) -> Iterator[Tensor]:
+    """The body of :func:`scale_loss` once its arguments are checked: yields the scaled loss."""
+    # A scale set after initialize (Apex's ``_amp_state.loss_scalers[i]._loss_scale``) is used.
+    if session.props.skips_unscale and session.scalers[loss_id].loss_scale == 1.0:
         try:
             yield loss.float()
         finally:
@@ -139,23 +172,21 @@ def _end_iteration(session: _session.AmpSession) -> None:
 
 
 def _as_optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if isinstance(optimizers, OPTIMIZER_TYPES):
         return [optimizers]
     if isinstance(optimizers, (list, tuple)) and all(
-            isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            isinstance(o, OPTIMIZER_TYPES) for o in optimizers):
         return list(optimizers)
     raise TypeError(
-        "scale_loss: optimizers must be an Optimizer or a list of Optimizers, "
-        f"got {type(optimizers).__name__}"
+        "scale_loss: optimizers must be an Optimizer (or a LARC) passed to initialize, or a "
+        f"list of them; got {type(optimizers).__name__}"
     )
 
 
 def _nonfinite_names(session: _session.AmpSession, records: list[OptimizerRecord]) -> list[str]:
-    names: dict[int, str] = {}
-    for mi, model in enumerate(session.models):
-        prefix = f"model{mi}." if len(session.models) > 1 else ""
-        for name, param in model.named_parameters():
-            names.setdefault(id(param), prefix + name)
+    from amp_patch.model import named_parameters
+
+    names = {id(param): name for name, param in named_parameters(session.models)}
     found: list[str] = []
     for record in records:
         found += [n for n in record.nonfinite_grad_names(names) if n not in found]

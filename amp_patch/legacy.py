@@ -75,6 +75,7 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     """
     if not enabled:
         return AmpHandle(None)
+    from amp_patch import cpu_half
     from amp_patch.patching import install
 
     half = half_dtype or (torch.float16 if torch.cuda.is_available() else torch.bfloat16)
@@ -84,6 +85,7 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     session = _session.AmpSession(props, [], [])
     _session.activate(session)
     try:
+        cpu_half.install(session)  # first, as in initialize: O1's wrappers call the emulating ones
         install(session, allow_banned=allow_banned, enable_caching=enable_caching)
     except BaseException:
         _session.reset()

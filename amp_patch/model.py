@@ -5,6 +5,12 @@ changes), so optimizers built before :func:`amp_patch.initialize` still hold
 the model's parameters. Inputs and outputs are cast by forward hooks, not by
 an overwritten ``forward``: DataParallel replicas copy hooks with the module.
 
+Under a half model type, ``model.state_dict()`` (of the model or any of its
+submodules) returns fp32 tensors, as Apex's state-dict hook did: a half
+parameter's entry is its fp32 master when an optimizer keeps one (the exact
+weights O2 trains), else the half tensor cast to fp32. ``load_state_dict``
+takes fp32 or half entries, and a master takes the loaded value exactly.
+
 Which tensors are cast: floating tensors of fp16, bf16 and fp32, the same rule
 as O1's wrappers (SPEC section 3). float64 passes through, so a caller who
 deliberately feeds doubles (a double-precision target, say) keeps them;
@@ -24,10 +30,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from amp_patch.session import AmpSession
 
-__all__ = ["prepare", "cast_floating", "CASTABLE_DTYPES"]
+__all__ = ["prepare", "cast_floating", "named_parameters", "CASTABLE_DTYPES"]
 
 #: The floating dtypes amp converts; float64 is left as the caller made it.
 CASTABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def prepare(session: AmpSession) -> None:
@@ -39,7 +46,11 @@ def prepare(session: AmpSession) -> None:
     batch norms when ``keep_batchnorm_fp32`` is set and the model type is a
     half dtype. A forward pre-hook casts floating inputs to the model type; a
     forward hook casts floating outputs to ``cast_model_outputs`` (fp32 when
-    None). Removing the hooks is registered with ``session.on_close``.
+    None). Under a half model type, state-dict hooks make ``model.state_dict()``
+    fp32 and let ``load_state_dict`` set the masters. Removing the hooks is
+    registered with ``session.on_close``, and so is undoing the casts, for an
+    :func:`amp_patch.initialize` that fails later on (a successful session
+    keeps the model's dtypes at deinitialize).
 
     Args:
         session (AmpSession): the session being built; its ``models`` are changed in place.
@@ -56,12 +67,30 @@ def prepare(session: AmpSession) -> None:
     output_dtype = props.cast_model_outputs or (torch.float32 if props.casts_model else None)
     if not props.casts_model and output_dtype is None:
         return
-    handles = []
+    handles: list = []
+    originals: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def remove_hooks() -> None:
+        for handle in handles:
+            handle.remove()
+
+    def uncast() -> None:
+        # The very tensors from before the cast: a cast back would round fp32 values to half.
+        for t, data, grad in reversed(originals):
+            t.data = data
+            if isinstance(t, nn.Parameter):
+                t.grad = grad
+
+    # Registered before anything changes, so that a failure half-way is undone too.
+    session.on_close("model casts", None, abort=uncast)
+    session.on_close("model hooks", remove_hooks)
     for model in session.models:
         if props.casts_model:
             model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
             keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
-            _cast_module(model, model_dtype, keep_bn)
+            _cast_module(model, model_dtype, keep_bn, originals)
+            if model_dtype in _HALF_DTYPES:
+                handles += _register_fp32_state_dict(model, session)
 
             def cast_inputs(module, args, kwargs, _dtype=model_dtype):
                 return cast_floating(args, _dtype), cast_floating(kwargs, _dtype)
@@ -73,25 +102,81 @@ def prepare(session: AmpSession) -> None:
 
         handles.append(model.register_forward_hook(cast_outputs))
 
-    def remove_hooks() -> None:
-        for handle in handles:
-            handle.remove()
 
-    session.on_close("model hooks", remove_hooks)
+def named_parameters(models: list[nn.Module]):
+    """``(name, param)`` over several models, for messages: ``model1.0.weight`` when there are
+    several, ``0.weight`` for one. A param shared by two models comes once.
+
+    Args:
+        models (list of torch.nn.Module): the models, as passed to initialize.
+
+    Yields:
+        tuple: the qualified name and the parameter.
+
+    Example::
+
+        >>> dict(named_parameters([mlp_a, mlp_b]))["model1.0.bias"].shape
+        torch.Size([16])
+    """
+    seen: set[int] = set()
+    for i, model in enumerate(models):
+        prefix = f"model{i}." if len(models) > 1 else ""
+        for name, param in model.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield prefix + name, param
 
 
-def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
+                 originals: list) -> None:
+    """Cast through ``.data``; each tensor's uncast data and grad go to ``originals`` first."""
     for module in model.modules():
         if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) and module.affine:
             continue  # SyncBatchNorm is a _BatchNorm too
         for param in module.parameters(recurse=False):
             if param.dtype in CASTABLE_DTYPES and param.dtype != dtype:
+                originals.append((param, param.data, param.grad))
                 param.data = param.data.to(dtype)
                 if param.grad is not None:
                     param.grad = param.grad.to(dtype)
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf.dtype in CASTABLE_DTYPES and buf.dtype != dtype:
+                originals.append((buf, buf.data, None))
                 buf.data = buf.data.to(dtype)
+
+
+def _register_fp32_state_dict(model: nn.Module, session: AmpSession) -> list:
+    """One state-dict hook pair per module, each for its own params and buffers, so that a
+    submodule's ``state_dict()`` is fp32 too. Masters are looked up at call time: the
+    optimizers are processed after the model is cast."""
+
+    def own_tensors(module: nn.Module):
+        yield from module.named_parameters(recurse=False)
+        yield from module.named_buffers(recurse=False)
+
+    def to_fp32(module, state_dict, prefix, local_metadata) -> None:
+        for name, t in own_tensors(module):
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor) or value.dtype not in _HALF_DTYPES:
+                continue
+            master = session.master_for(t)
+            if master is None:
+                state_dict[key] = value.detach().float()
+            else:  # as state_dict(keep_vars=...) gave the param: the master itself, or detached
+                state_dict[key] = master if value is t else master.detach()
+
+    def load_masters(module, state_dict, prefix, *_) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                session.load_master(p, value)
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_state_dict_post_hook(to_fp32))
+        handles.append(module.register_load_state_dict_pre_hook(load_masters))
+    return handles
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:

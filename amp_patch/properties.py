@@ -8,9 +8,13 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC"]
+from amp_patch.cpu_half import check_mode as check_cpu_half_mode
+
+__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS"]
 
 DYNAMIC = "dynamic"
+#: Consecutive skipped steps a static loss scale allows before it is an error.
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 50
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -46,7 +50,17 @@ class Properties:
         verbosity (int): 0 silent, 1 the chosen properties, 2 debug.
         min_loss_scale (float or None): floor of the dynamic scale.
         max_loss_scale (float): ceiling of the dynamic scale.
+        max_consecutive_skips (int): a static loss scale cannot shrink, so
+            non-finite gradients at every step would skip steps forever; after
+            this many consecutive skips of one loss scaler, the next overflow
+            raises :class:`~amp_patch.scaler.LossScaleCollapseError`. (A dynamic
+            scale is bounded by ``min_loss_scale`` instead.) Default: 50.
         enabled (bool): False makes amp a no-op.
+        cpu_half_compute (str): how half matmuls and convolutions run on the
+            CPU: ``"auto"`` emulates them (fp32 compute on fp32 copies of the
+            half inputs, outputs rounded to half) exactly where
+            :func:`amp_patch.cpu_half_support` reports the host not native;
+            ``"native"`` never emulates; ``"emulate"`` always does.
     """
 
     opt_level: str = "O1"
@@ -61,7 +75,9 @@ class Properties:
     verbosity: int = 1
     min_loss_scale: float | None = None
     max_loss_scale: float = 2.0**24
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
     enabled: bool = True
+    cpu_half_compute: str = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalisation of a frozen instance, before anyone sees it
@@ -75,6 +91,7 @@ class Properties:
             raise ValueError(
                 f"half_dtype must be torch.float16 or torch.bfloat16, got {self.half_dtype!r}"
             )
+        check_cpu_half_mode(self.cpu_half_compute)
         set_(self, "keep_batchnorm_fp32", _parse_optional_bool(self.keep_batchnorm_fp32))
         set_(self, "loss_scale", _parse_loss_scale(self.loss_scale))
         if not (self.cast_model_type is None or self.cast_model_type is False
@@ -118,6 +135,11 @@ class Properties:
             raise ValueError(f"master_weights must be True, False or None, got {self.master_weights!r}")
         if not isinstance(self.num_losses, int) or self.num_losses < 1:
             raise ValueError(f"num_losses must be a positive int, got {self.num_losses!r}")
+        if not (isinstance(self.max_consecutive_skips, int) and not isinstance(
+                self.max_consecutive_skips, bool) and self.max_consecutive_skips >= 1):
+            raise ValueError(
+                f"max_consecutive_skips must be a positive int, got {self.max_consecutive_skips!r}"
+            )
         if not (isinstance(self.max_loss_scale, (int, float)) and self.max_loss_scale > 0):
             raise ValueError(f"max_loss_scale must be a positive number, got {self.max_loss_scale!r}")
         set_(self, "max_loss_scale", float(self.max_loss_scale))
@@ -184,7 +206,7 @@ class Properties:
         """A multi-line, human-readable account of the settings, for logging."""
         lines = [f"Selected optimization level {self.opt_level} (half dtype {self.half_dtype})"]
         for name in ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
-                     "keep_batchnorm_fp32", "master_weights", "loss_scale"):
+                     "keep_batchnorm_fp32", "master_weights", "loss_scale", "cpu_half_compute"):
             lines.append(f"  {name:<22}: {getattr(self, name)}")
         return "\n".join(lines)
 

@@ -15,13 +15,14 @@ for the fused ops; every fused call in amp_patch goes through it.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.properties import DYNAMIC, Properties
+from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
 
 __all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype"]
 
@@ -73,7 +74,8 @@ def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[
 
 
 class LossScaleCollapseError(RuntimeError):
-    """The dynamic loss scale would fall below its floor: the gradients are non-finite at any scale."""
+    """The gradients are non-finite at any scale: a dynamic scale would fall below its floor,
+    or a static scale, which cannot shrink, saw too many overflows in a row."""
 
 
 class _DeviceTensors:
@@ -93,7 +95,8 @@ class LossScaler:
     halves it (never below ``min_loss_scale``) and restarts the count of clean
     iterations; after 2000 clean iterations it doubles, up to
     ``max_loss_scale``. A static scale never changes, but an overflow still
-    makes the step be skipped. Iterations are counted per :meth:`update`, i.e.
+    makes the step be skipped; more than ``max_consecutive_skips`` overflows
+    in a row are an error. Iterations are counted per :meth:`update`, i.e.
     per exit of :func:`amp_patch.scale_loss` for this ``loss_id``.
 
     Args:
@@ -104,6 +107,8 @@ class LossScaler:
             collapse. Default: None, meaning a collapse below ``2**-24``.
         max_loss_scale (float, optional): ceiling of the dynamic scale. Default: ``2**24``.
         scale_window (int, optional): clean iterations before doubling. Default: 2000.
+        max_consecutive_skips (int, optional): with a static scale, the
+            overflows in a row allowed; the next one raises. Default: 50.
 
     .. note::
         The scale and overflow flag are tensors on the gradients' device,
@@ -124,6 +129,7 @@ class LossScaler:
         min_loss_scale: float | None = None,
         max_loss_scale: float = 2.0**24,
         scale_window: int = SCALE_WINDOW,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         self.dynamic = loss_scale == DYNAMIC
         self.loss_id = loss_id
@@ -131,8 +137,11 @@ class LossScaler:
         self.min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
         self.scale_window = scale_window
         self._scale = min(INITIAL_DYNAMIC_SCALE, self.max_loss_scale) if self.dynamic else float(loss_scale)
+        self.max_consecutive_skips = max_consecutive_skips
         self._unskipped = 0
         self._skipped = 0
+        self._consecutive = 0
+        self._last_overflow = False
         self._devices: dict[torch.device, _DeviceTensors] = {}
 
     @classmethod
@@ -147,12 +156,31 @@ class LossScaler:
             LossScaler: a new scaler.
         """
         return cls(props.loss_scale, loss_id=loss_id, min_loss_scale=props.min_loss_scale,
-                   max_loss_scale=props.max_loss_scale)
+                   max_loss_scale=props.max_loss_scale,
+                   max_consecutive_skips=props.max_consecutive_skips)
 
     @property
     def loss_scale(self) -> float:
         """The current scale (the host mirror; reading it does not sync)."""
         return self._scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        """Set the scale that the next iteration uses (host mirror and device tensors together).
+
+        Raises:
+            ValueError: if ``value`` is not a positive finite number.
+        """
+        scale = float(value)
+        if not (0.0 < scale < float("inf")):
+            raise ValueError(f"loss scaler {self.loss_id}: the loss scale must be a positive "
+                             f"finite number, got {value!r}")
+        self._set_scale(scale)
+
+    @property
+    def last_overflow(self) -> bool:
+        """Whether the last :meth:`update` found an overflow (and so asked for a skipped step)."""
+        return self._last_overflow
 
     @property
     def skipped_steps(self) -> int:
@@ -225,8 +253,9 @@ class LossScaler:
         """Read the overflow flags (one host sync), then adjust the scale and count.
 
         On overflow the dynamic scale halves and the count of clean iterations
-        restarts, and the Apex message is logged at INFO. After
-        ``scale_window`` clean iterations the dynamic scale doubles.
+        restarts, and the Apex message is logged at INFO (a static scale logs
+        that it stays). After ``scale_window`` clean iterations the dynamic
+        scale doubles.
 
         Args:
             nonfinite_names (callable, optional): returns the names of the
@@ -237,31 +266,49 @@ class LossScaler:
             bool: True when an overflow was seen (the step must be skipped).
 
         Raises:
-            LossScaleCollapseError: the scale would fall below its floor.
+            LossScaleCollapseError: a dynamic scale would fall below its floor,
+                or a static one overflowed more than ``max_consecutive_skips``
+                times in a row.
         """
-        overflow = self._read_overflow()
+        overflow = self._last_overflow = self._read_overflow()
         if not overflow:
             self._unskipped += 1
+            self._consecutive = 0
             if self.dynamic and self._unskipped >= self.scale_window:
                 self._set_scale(min(self.max_loss_scale, self._scale * 2.0))
                 self._unskipped = 0
             return False
         self._skipped += 1
         self._unskipped = 0
+        self._consecutive += 1
         if self.dynamic:
             floor = DEFAULT_MIN_LOSS_SCALE if self.min_loss_scale is None else self.min_loss_scale
             halved = self._scale / 2.0
             if halved < floor and (self.min_loss_scale is None or self._scale <= floor):
-                names = nonfinite_names() if nonfinite_names is not None else []
-                raise LossScaleCollapseError(
-                    f"loss scaler {self.loss_id}: gradients are non-finite even at loss scale "
-                    f"{self._scale}; it would fall below the floor {floor}. Non-finite gradients "
-                    f"in: {', '.join(names) if names else 'the loss itself (no gradient was non-finite)'}"
-                )
+                raise self._collapse(nonfinite_names, f"even at loss scale {self._scale}; it would "
+                                                      f"fall below the floor {floor}")
             self._set_scale(max(halved, floor))
-        logger.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s",
-                    self.loss_id, self._scale)
+            logger.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s",
+                        self.loss_id, self._scale)
+            return True
+        if self._consecutive > self.max_consecutive_skips:
+            raise self._collapse(
+                nonfinite_names,
+                f"at {self._consecutive} consecutive steps with the static loss scale "
+                f"{self._scale}, which cannot shrink (max_consecutive_skips="
+                f"{self.max_consecutive_skips})")
+        logger.info("Gradient overflow.  Skipping step, loss scaler %d keeps its static loss scale "
+                    "%s (%d consecutive skips; more than %d raise an error)", self.loss_id,
+                    self._scale, self._consecutive, self.max_consecutive_skips)
         return True
+
+    def _collapse(self, nonfinite_names: Callable[[], list[str]] | None,
+                  what: str) -> LossScaleCollapseError:
+        names = nonfinite_names() if nonfinite_names is not None else []
+        return LossScaleCollapseError(
+            f"loss scaler {self.loss_id}: gradients are non-finite {what}. Non-finite gradients "
+            f"in: {', '.join(names) if names else 'the loss itself (no gradient was non-finite)'}"
+        )
 
     def _set_scale(self, scale: float) -> None:
         self._scale = scale
@@ -272,10 +319,47 @@ class LossScaler:
         """The checkpoint state.
 
         Returns:
-            dict: ``{"loss_scale": float, "unskipped": int, "skipped": int, "dynamic": bool}``.
+            dict: ``{"loss_scale": float, "unskipped": int, "skipped": int, "dynamic": bool,
+            "consecutive_skips": int}``.
         """
         return {"loss_scale": self._scale, "unskipped": self._unskipped,
-                "skipped": self._skipped, "dynamic": self.dynamic}
+                "skipped": self._skipped, "dynamic": self.dynamic,
+                "consecutive_skips": self._consecutive}
+
+    def check_state_dict(self, state: Any) -> tuple[float, int, int, int]:
+        """Validate a saved state without loading it.
+
+        Args:
+            state (dict): as :meth:`state_dict` returned it.
+
+        Returns:
+            tuple: ``(loss_scale, unskipped, skipped, consecutive_skips)``.
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            ValueError: a required key is missing, or a value is not a number
+                of the right kind (the scale must be positive and finite).
+        """
+        where = f"loss scaler {self.loss_id} (loss_scaler{self.loss_id})"
+        form = ("a dict such as {'loss_scale': 65536.0, 'unskipped': 0}, as "
+                "amp_patch.state_dict() saves it")
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}: the saved state must be {form}; got {type(state).__name__}")
+        missing = [k for k in ("loss_scale", "unskipped") if k not in state]
+        if missing:
+            raise ValueError(f"{where}: the saved state lacks {', '.join(map(repr, missing))}; "
+                             f"it must be {form}")
+        try:
+            scale = float(state["loss_scale"])
+            counts = tuple(_count(state.get(k, 0)) for k in ("unskipped", "skipped",
+                                                             "consecutive_skips"))
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: 'loss_scale' must be a number and 'unskipped', 'skipped' "
+                             f"and 'consecutive_skips' non-negative ints; got {dict(state)!r}") from None
+        if not (0.0 < scale < float("inf")):
+            raise ValueError(f"{where}: invalid saved loss_scale {scale!r}; it must be a positive "
+                             "finite number")
+        return (scale, *counts)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the state saved by :meth:`state_dict`; pending overflow flags are cleared.
@@ -284,13 +368,10 @@ class LossScaler:
             state (dict): needs ``"loss_scale"`` and ``"unskipped"``; other keys are optional.
 
         Raises:
-            ValueError: if the saved scale is not a positive finite number.
+            TypeError, ValueError: as :meth:`check_state_dict`; nothing is changed then.
         """
-        scale = float(state["loss_scale"])
-        if not (0.0 < scale < float("inf")):
-            raise ValueError(f"loss scaler {self.loss_id}: invalid saved loss_scale {scale!r}")
-        self._unskipped = int(state["unskipped"])
-        self._skipped = int(state.get("skipped", 0))
+        scale, self._unskipped, self._skipped, self._consecutive = self.check_state_dict(state)
+        self._last_overflow = False
         self._set_scale(scale)
         for dev in self._devices.values():
             dev.found_inf.zero_()
@@ -298,6 +379,12 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return f"LossScaler(id={self.loss_id}, {kind}, scale={self._scale}, unskipped={self._unskipped})"
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ValueError(f"not a count: {value!r}")
+    return int(value)
 
 
 def _all_reduce_max(flag: Tensor) -> Tensor:

@@ -1,13 +1,20 @@
-"""The one piece of global state: the live :class:`AmpSession`, if any."""
+"""The one piece of global state: the live :class:`AmpSession`, if any.
+
+Beside it, a weak table remembers which optimizers closed sessions had, only to
+word the error when a script goes on using one.
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import TYPE_CHECKING, Callable
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 if TYPE_CHECKING:
+    from amp_patch.cpu_half import CpuHalfPlan
     from amp_patch.optim import OptimizerRecord
     from amp_patch.patching.state import CastState
     from amp_patch.properties import Properties
@@ -37,6 +44,11 @@ class AmpSession:
         optimizer_records (dict): ``id(optimizer)`` to its
             :class:`~amp_patch.optim.OptimizerRecord`.
         scalers (list of LossScaler): one per ``loss_id``.
+        scale_loss_open (bool): True inside a :func:`amp_patch.scale_loss` block
+            (they cannot be nested).
+        serial (int): this session's number in the process, for messages.
+        cpu_half (CpuHalfPlan or None): how half matmuls run on the CPU
+            (:mod:`amp_patch.cpu_half`); None when nothing computes in half there.
     """
 
     def __init__(self, props: "Properties", models: list[torch.nn.Module],
@@ -47,34 +59,81 @@ class AmpSession:
         self.casts: CastState | None = None
         self.optimizer_records: dict[int, OptimizerRecord] = {}
         self.scalers: list[LossScaler] = []
+        self.scale_loss_open = False
+        self.serial = next(_serials)
+        self.cpu_half: CpuHalfPlan | None = None
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self.closed = False
 
-    def on_close(self, what: str, undo: Callable[[], None]) -> None:
+    def on_close(self, what: str, undo: Callable[[], None] | None,
+                 abort: Callable[[], None] | None = None) -> None:
         """Register ``undo`` to run at :meth:`close`, before everything registered earlier.
 
         Args:
             what (str): a short description, used in error messages.
-            undo (callable): takes no arguments.
+            undo (callable or None): takes no arguments; None for nothing.
+            abort (callable, optional): run instead of ``undo`` when the
+                :func:`amp_patch.initialize` that builds this session fails
+                (``close(abort=True)``), to put back what a finished session
+                keeps (the model's dtypes, say). Dropped by :meth:`commit`.
         """
-        self._undo.append((what, undo))
+        self._undo.append((what, undo, abort))
+
+    def commit(self) -> None:
+        """initialize succeeded: forget the abort-only undos (and what they held on to)."""
+        self._undo = [(what, undo, None) for what, undo, _ in self._undo]
 
     def record_for(self, optimizer: torch.optim.Optimizer) -> "OptimizerRecord":
         """The record of an optimizer passed to initialize.
 
-        Raises:
-            RuntimeError: if the optimizer was not passed to :func:`amp_patch.initialize`.
-        """
-        try:
-            return self.optimizer_records[id(optimizer)]
-        except KeyError:
-            raise RuntimeError(
-                f"optimizer {type(optimizer).__name__} at {id(optimizer):#x} was not passed to "
-                "amp_patch.initialize(); pass every optimizer that scale_loss will see"
-            ) from None
+        The table is keyed by ``id()``; the record must also hold this very
+        object, so an id recycled by another object never finds it.
 
-    def close(self) -> None:
+        Raises:
+            RuntimeError: if the optimizer was not passed to the
+                :func:`amp_patch.initialize` of this session (the message says
+                when an earlier, deinitialized session had it).
+        """
+        record = self.optimizer_records.get(id(optimizer))
+        if record is not None and record.optimizer_or_none() is optimizer:
+            return record
+        name = f"optimizer {type(optimizer).__name__} at {id(optimizer):#x}"
+        earlier = _retired_optimizers.get(optimizer)
+        if earlier is not None:
+            raise RuntimeError(
+                f"{name} was initialized by an earlier amp_patch session that has been "
+                "deinitialized; pass it to initialize() again, with its model, to use it here "
+                f"(it belonged to session #{earlier}; the live one is #{self.serial})"
+            )
+        raise RuntimeError(
+            f"{name} was not passed to amp_patch.initialize(); pass every optimizer that "
+            "scale_loss will see"
+        )
+
+    def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master that an optimizer of this session keeps for ``param``, if any.
+
+        The master is first refreshed if ``param`` was written from outside
+        since amp last wrote it.
+        """
+        for record in self.optimizer_records.values():
+            master = record.masters.current_master(param)
+            if master is not None:
+                return master
+        return None
+
+    def load_master(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Set ``param``'s master, if it has one, to exactly ``value`` (a checkpoint's tensor)."""
+        for record in self.optimizer_records.values():
+            record.masters.load_master(param, value)
+
+    def close(self, abort: bool = False) -> None:
         """Undo everything, last in first out. Every undo runs even if one fails.
+
+        Args:
+            abort (bool, optional): the session's initialize failed: run the
+                abort undos where given, so that nothing stays half-applied.
+                Default: False.
 
         Raises:
             RuntimeError: after all undos ran, if any of them failed.
@@ -82,9 +141,15 @@ class AmpSession:
         if self.closed:
             return
         self.closed = True
+        for optimizer in self.optimizers:
+            _retired_optimizers[optimizer] = self.serial
         failures = []
         while self._undo:
-            what, undo = self._undo.pop()
+            what, undo, on_abort = self._undo.pop()
+            if abort and on_abort is not None:
+                undo = on_abort
+            if undo is None:
+                continue
             try:
                 undo()
             except Exception as exc:  # keep undoing: a half-undone torch is worse
@@ -95,6 +160,10 @@ class AmpSession:
 
 
 _current: AmpSession | None = None
+_serials = itertools.count(1)
+#: Optimizers of closed sessions and the session's serial, to word the error when a script
+#: goes on using one (weak keys: nothing is kept alive).
+_retired_optimizers: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def current() -> AmpSession | None:
@@ -131,9 +200,14 @@ def activate(session: AmpSession) -> None:
     _current = session
 
 
-def reset() -> None:
-    """Close the live session, if any, and forget it. Torch ends up unpatched even on failure."""
+def reset(abort: bool = False) -> None:
+    """Close the live session, if any, and forget it. Torch ends up unpatched even on failure.
+
+    Args:
+        abort (bool, optional): the session's initialize failed (see
+            :meth:`AmpSession.close`). Default: False.
+    """
     global _current
     session, _current = _current, None
     if session is not None:
-        session.close()
+        session.close(abort=abort)

@@ -1,4 +1,4 @@
-"""K1-K4: the fused multi-tensor kernels against torch's own multi-tensor ops.
+"""K1-K4 and the Apex extras: the fused multi-tensor kernels against torch's own ops.
 
 Usage::
 
@@ -9,7 +9,11 @@ times each kernel and its anchor interleaved (median of repeats), and the
 device's bandwidth in the same run: in-place ``mul_`` on CPU, ``copy_`` on GPU.
 Each row gives the speed-up over the anchor and the kernel's time over its
 bandwidth floor (the bytes it must move, each input read once and each output
-written once, over that bandwidth). It prints the table and rewrites the
+written once, over that bandwidth). Besides K1-K4 (PERFORMANCE.md) it times
+the two ops served for Apex's ``amp_C``, which have no target: UL2,
+``multi_tensor_unscale_l2norm`` against the same math in torch (foreach
+multiply, then foreach norms), and HYST, ``update_scale_hysteresis`` against
+torch's own scale update (``_amp_update_scale_``, no hysteresis), per call. It prints the table and rewrites the
 ``kernels-cpu`` / ``kernels-cuda`` section of ``docs/benchmarks.md``.
 """
 
@@ -38,18 +42,18 @@ class Row:
     id: str
     what: str
     anchor: str
-    target: float
+    target: float | None  # None: no target set
     ours: float
     anchor_s: float
-    floor_s: float
+    floor_s: float | None  # None: not bandwidth-bound (a one-element op)
 
     @property
     def speedup(self) -> float:
         return self.anchor_s / self.ours
 
     @property
-    def over_floor(self) -> float:
-        return self.ours / self.floor_s
+    def over_floor(self) -> float | None:
+        return None if self.floor_s is None else self.ours / self.floor_s
 
 
 def _grads(total: int, dtype: torch.dtype, device: str, seed: int) -> list[torch.Tensor]:
@@ -89,6 +93,16 @@ def check_correctness(device: str) -> None:
     exact = torch.cat([t.double().flatten() for t in x]).norm()
     if not torch.allclose(total.double(), exact, rtol=1e-5):
         raise SystemExit(f"multi_tensor_l2norm: {total.item()} vs {exact.item()}")
+    total, _ = ops.multi_tensor_unscale_l2norm(x, inv, False)
+    if not torch.allclose(total.double(), exact * inv.item(), rtol=1e-5):
+        raise SystemExit(f"multi_tensor_unscale_l2norm: {total.item()} vs {exact.item() * inv.item()}")
+    states = [[torch.full((1,), 1024.0, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+               torch.full((1,), 2, dtype=torch.int32, device=device)] for _ in range(2)]
+    for flag in [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]:
+        found = torch.full((1,), flag, device=device)
+        ops.update_scale_hysteresis(*states[0], found, 2.0, 0.5, 3, 2)
+        ops._update_scale_hysteresis_ref(*states[1], found, 2.0, 0.5, 3, 2)
+        same(states[0], states[1], "update_scale_hysteresis")
     if f1.item() != 0.0 or f2.item() != 0.0:
         raise SystemExit("found_inf set on finite data")
 
@@ -106,7 +120,7 @@ def measure(device: str, total: int, repeats: int) -> tuple[float, list[Row]]:
     bandwidths: list[float] = []
     rows: list[Row] = []
 
-    def timed(row_id: str, what: str, anchor_name: str, target: float, nbytes: int,
+    def timed(row_id: str, what: str, anchor_name: str, target: float | None, nbytes: int,
               ours: Callable[[], object], anchor: Callable[[], object]) -> None:
         t = interleaved_median({"ours": ours, "anchor": anchor, "bw": bw_fn}, repeats=repeats, device=device)
         bandwidths.append(bw_bytes / t["bw"])
@@ -155,6 +169,36 @@ def measure(device: str, total: int, repeats: int) -> tuple[float, list[Row]]:
         del x, y
         gc.collect()
 
+    inv0 = inv.reshape(())
+    for dtype, name in [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]:
+        x = _grads(total, dtype, device, seed=5)
+        timed("UL2", f"multi_tensor_unscale_l2norm, {name}", "_foreach_mul + _foreach_norm + stack + norm", None,
+              dtype.itemsize * total,
+              lambda x=x: ops.multi_tensor_unscale_l2norm(x, inv, False),
+              lambda x=x: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(torch._foreach_mul(x, inv0)))))
+        del x
+        gc.collect()
+
+    # One-element state: launch (or call) overhead only, so per call over a
+    # batch of calls, and no bandwidth floor.
+    calls = 200
+    state = [torch.full((1,), 65536.0, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+             torch.full((1,), 2, dtype=torch.int32, device=device)]
+    torch_state = [torch.full((1,), 65536.0, device=device), torch.zeros(1, dtype=torch.int32, device=device)]
+    clean = torch.zeros(1, device=device)
+
+    def hysteresis_calls() -> None:
+        for _ in range(calls):
+            ops.update_scale_hysteresis(*state, clean, 2.0, 0.5, 2000, 2)
+
+    def torch_calls() -> None:
+        for _ in range(calls):
+            torch._amp_update_scale_(*torch_state, clean, 2.0, 0.5, 2000)
+
+    t = interleaved_median({"ours": hysteresis_calls, "anchor": torch_calls}, repeats=repeats, device=device)
+    rows.append(Row("HYST", "update_scale_hysteresis, per call", "torch._amp_update_scale_ (no hysteresis)", None,
+                    t["ours"] / calls, t["anchor"] / calls, None))
+
     bandwidths.sort()
     return bandwidths[len(bandwidths) // 2], rows
 
@@ -172,10 +216,15 @@ def report(device: str, total: int, bandwidth: float, rows: list[Row]) -> str:
     # On a shared machine the load says how far to trust the absolute numbers.
     load = f" Load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs." if device == "cpu" else ""
     header = ["id", "kernel", "anchor", "ms", "anchor ms", "speed-up", "target", "GB/s", "time / floor"]
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.1f}" if seconds >= 1e-4 else f"{seconds * 1e3:.4f}"
+
     table = markdown_table(header, [
-        [r.id, r.what, r.anchor, f"{r.ours * 1e3:.1f}", f"{r.anchor_s * 1e3:.1f}", f"{r.speedup:.2f}x",
-         f">= {r.target}x {'ok' if r.speedup >= r.target else 'MISSED'}",
-         f"{r.floor_s * bandwidth / r.ours / 1e9:.1f}", f"{r.over_floor:.2f}"]
+        [r.id, r.what, r.anchor, ms(r.ours), ms(r.anchor_s), f"{r.speedup:.2f}x",
+         "none set" if r.target is None else f">= {r.target}x {'ok' if r.speedup >= r.target else 'MISSED'}",
+         "-" if r.floor_s is None else f"{r.floor_s * bandwidth / r.ours / 1e9:.1f}",
+         "-" if r.over_floor is None else f"{r.over_floor:.2f}"]
         for r in rows
     ])
     return (

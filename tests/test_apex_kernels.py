@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
+
 import pytest
 import torch
 from conftest import DEVICES
@@ -115,3 +119,108 @@ def test_errors_name_the_function():
         amp_C.multi_tensor_scale(2048, _noop("cpu"), [[torch.ones(2)]], 1.0)
     with pytest.raises(RuntimeError, match="arg_to_check"):
         amp_C.multi_tensor_axpby(2048, _noop("cpu"), [[], [], []], 1.0, 1.0, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["multi_tensor_l2norm", "multi_tensor_unscale_l2norm"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_norms_set_noop_flag_on_nonfinite_input(device, name, value):
+    """Apex's norm kernels set noop_flag when a chunk's sum of squares is not finite."""
+    x = _lists(device, [F32, BF16, F16, F32])
+    scale_args = (torch.full((1,), 0.5, device=device),) if name == "multi_tensor_unscale_l2norm" else ()
+    noop = _noop(device)
+    multi_tensor_applier(getattr(amp_C, name), noop, [x], *scale_args, None)
+    assert noop.item() == 0
+    x[2][9] = value
+    total, _ = multi_tensor_applier(getattr(amp_C, name), noop, [x], *scale_args, True)
+    assert noop.item() == 1 and not torch.isfinite(total).item()
+
+
+# Apex's tests/L0/run_amp/test_multi_tensor_unscale_l2norm.py, translated. Apex
+# varied the applier's chunk size too (2048*32, 333, 33333); amp_patch ignores
+# it, so one other size is enough to show that.
+_UNSCALE_SIZES = [(777, 555), (555, 2048 * 32 + 1), (2048 * 32 + 1, 555), (555, 2048 * 32),
+                  (2048 * 32, 555), (33333, 555), (555, 33333),
+                  pytest.param(7777 * 77, 555 * 555, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sizea,sizeb", _UNSCALE_SIZES)
+@pytest.mark.parametrize("repeat", [1, 55])
+@pytest.mark.parametrize("in_type", [F32, F16])
+def test_unscale_l2norm_apex_fuzz(device, sizea, sizeb, repeat, in_type):
+    val, inv_scale = 4.0, 0.5
+    inv = torch.tensor([inv_scale], dtype=F32, device=device)
+    a = torch.full([sizea], val, dtype=F32, device=device)
+    b = torch.full([sizeb], val, dtype=F32, device=device)
+    in_list = [t.clone().to(in_type) for _ in range(repeat) for t in (a, b)]
+    reference = torch.full([(sizea + sizeb) * repeat], val * inv_scale, dtype=F32, device=device).norm()
+    normab = torch.cat(((a * inv_scale).norm().view(1), (b * inv_scale).norm().view(1)))
+    for applier in (multi_tensor_applier, MultiTensorApply(333)):
+        for per_tensor in (False, True):
+            noop = _noop(device)
+            norm, norm_per_tensor = applier(amp_C.multi_tensor_unscale_l2norm, noop, [in_list], inv, per_tensor)
+            torch.testing.assert_close(norm, reference.reshape(1))
+            if per_tensor:
+                torch.testing.assert_close(norm_per_tensor.view(-1, 2), normab.expand(repeat, 2))
+            else:
+                assert norm_per_tensor.numel() == 0
+            assert noop.item() == 0
+    assert all(torch.equal(t, torch.full_like(t, val)) for t in in_list), "the inputs were changed"
+
+
+def _fp32(x: float) -> float:
+    """x rounded to fp32, as the kernel rounds each product of the scale."""
+    return torch.tensor(x, dtype=F32).item()
+
+
+def _hysteresis_body(device, rng, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis):
+    scale = torch.tensor([init_scale], dtype=F32, device=device)
+    growth_tracker = torch.tensor([0], dtype=torch.int32, device=device)
+    hysteresis_tracker = torch.tensor([hysteresis], dtype=torch.int32, device=device)
+    found_inf = torch.tensor([1], dtype=F32, device=device)
+
+    def run(n):
+        for _ in range(n):
+            out = amp_C.update_scale_hysteresis(scale, growth_tracker, hysteresis_tracker, found_inf,
+                                                growth_factor, backoff_factor, growth_interval, hysteresis)
+            assert out is scale
+
+    # Infs for hysteresis - 1 iterations: the scale holds.
+    run(hysteresis - 1)
+    assert scale.item() == init_scale
+    # No infs for growth_interval - 1 iterations: the scale holds.
+    found_inf.zero_()
+    run(growth_interval - 1)
+    assert scale.item() == init_scale
+    # Infs for more than hysteresis iterations: the scale backs off on each
+    # one past the hysteresis. Apex's test took any product below fp32's
+    # smallest normal as zero; here it passes through the denormals, as fp32 does.
+    found_inf.fill_(1)
+    extra = rng.randint(0, 1000)
+    scale_ref = scale.item()
+    run(hysteresis + extra)
+    for _ in range(1 + extra):
+        scale_ref = _fp32(scale_ref * backoff_factor)
+    assert scale.item() == scale_ref
+    # No infs for more than growth_interval iterations: the scale grows every
+    # growth_interval of them, unless that overflows fp32.
+    found_inf.fill_(0)
+    extra = rng.randint(0, 1000)
+    scale_ref = scale.item()
+    run(growth_interval + extra)
+    for _ in range(1 + extra // growth_interval):
+        grown = _fp32(scale_ref * growth_factor)
+        if math.isfinite(grown):
+            scale_ref = grown
+    assert scale.item() == scale_ref
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("init_scale", [1, 1024, 65536])
+def test_update_scale_hysteresis_apex_fuzz(device, init_scale):
+    """Apex's tests/L0/run_amp/test_update_scale_hysteresis.py, translated (seeded)."""
+    rng = random.Random(init_scale)
+    for growth_factor, backoff_factor, growth_interval, hysteresis in itertools.product(
+            [1.0, 2.0, 4.0], [0.5, 0.25], [10, 100], [10, 100]):
+        _hysteresis_body(device, rng, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis)

@@ -39,7 +39,7 @@ def test_apex_amp_is_amp_patch_api():
 
 @pytest.mark.parametrize("stmt, name", [
     ("import apex.contrib.xyz", "apex.contrib"),
-    ("from apex.fp16_utils import FP16_Optimizer", "apex.fp16_utils.FP16_Optimizer"),
+    ("from apex.optimizers import FP16_Optimizer", "apex.optimizers.FP16_Optimizer"),
     ("from apex.optimizers import FusedLAMB", "apex.optimizers.FusedLAMB"),
     ("import apex.transformer", "apex.transformer"),
 ])
@@ -79,6 +79,23 @@ def test_run_script_with_argv_and_unsupported_message(tmp_path):
     assert "argv ['--flag', 'value'] main" in proc.stdout
     assert "initialize is amp_patch's: amp_patch.frontend" in proc.stdout
     assert "apex.contrib is not supported by amp_patch" in proc.stderr
+
+
+def test_run_summarises_names_the_script_fell_back_from(tmp_path):
+    proc = _run(tmp_path, """
+        try:
+            from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+        except ImportError:
+            print("WARNING: apex not installed, using the plain loss")
+        from apex.fp16_utils import FP16_Optimizer
+        print("served", FP16_Optimizer.__name__)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING: apex not installed" in proc.stdout and "served FP16_Optimizer" in proc.stdout
+    assert "apex.contrib is not provided by amp_patch" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "amp-patch run: 1 apex name(s) not served by amp_patch (the script may have run "
+        "without them): apex.contrib")
 
 
 def test_run_propagates_exit_code(tmp_path):

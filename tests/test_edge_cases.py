@@ -12,20 +12,27 @@ from amp_patch.scaler import LossScaleCollapseError
 from training_utils import mlp, mlp_batch, xent
 
 
-def test_o2_weights_loaded_after_initialize_are_not_undone_by_step():
+@pytest.mark.parametrize("how", ["load_state_dict", "by_hand"])
+def test_o2_weights_loaded_after_initialize_are_not_undone_by_step(how):
     model = mlp(seed=0)
     pretrained = {k: v.clone() for k, v in mlp(seed=1).state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
-    model.load_state_dict(pretrained)  # fine-tuning: load after initialize
+    if how == "load_state_dict":  # fine-tuning: load after initialize
+        model.load_state_dict(pretrained)
+    else:  # written past amp's hooks: the masters follow the half params
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(pretrained[name])
     x, y = mlp_batch(0)
     with amp.scale_loss(xent(model(x), y), opt) as scaled:
         scaled.backward()
     opt.step()  # lr 0: the weights must stay the loaded ones
     for name, p in model.named_parameters():
         assert torch.equal(p, pretrained[name].to(p.dtype)), name
-    for master, p in zip(amp.master_params(opt), model.parameters()):
-        assert torch.equal(master, p.float())
+    for master, (name, p) in zip(amp.master_params(opt), model.named_parameters()):
+        # a load hands the masters the checkpoint's exact fp32 values
+        assert torch.equal(master, pretrained[name] if how == "load_state_dict" else p.float())
 
 
 def test_o2_consistent_checkpoint_keeps_exact_fp32_masters():

@@ -48,7 +48,8 @@ def test_step_before_any_backward_and_zero_grad():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in amp.master_params(opt))
     opt.zero_grad(set_to_none=False)
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
-    assert all(not p.grad.any() for p in amp.master_params(opt))
+    # master grads are amp's: released either way, as Apex's zero_grad did
+    assert all(p.grad is None for p in amp.master_params(opt))
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert all(p.grad is None for p in amp.master_params(opt))
@@ -159,3 +160,87 @@ def test_master_params_without_amp_yields_params():
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert list(amp.master_params(opt)) == list(model.parameters())
+
+
+def test_optim_package_imports_neither_the_session_nor_the_patching():
+    """The optimizer code is handed what it needs; importing it closes no circle."""
+    import ast
+    from pathlib import Path
+
+    import amp_patch.optim as optim
+
+    for path in Path(optim.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(("amp_patch.session", "amp_patch.patching",
+                                            "amp_patch.frontend", "amp_patch.handle")), (path, name)
+
+
+class _OnePassSGD(torch.optim.SGD):
+    """A stand-in for a fused O2 optimizer: it takes the (model, master) pairs and writes
+    the model params in its own step."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.pairs = None
+        self.writes = 0
+
+    def amp_attach_masters(self, pairs):
+        self.pairs = pairs
+        return True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        out = super().step(closure)
+        for model_p, master in self.pairs:
+            model_p.copy_(master)
+            self.writes += 1
+        return out
+
+
+def test_optimizer_that_writes_the_model_itself_gets_the_pairs(monkeypatch):
+    from amp_patch import ops
+
+    def run(cls):
+        model = mlp()
+        opt = cls(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        train(model, opt, 3)
+        out = [p.detach().clone() for p in model.parameters()]
+        return model, opt, out
+
+    _, _, ref = run(torch.optim.SGD)
+    amp.deinitialize()
+    copies = []
+    real_copy = ops.multi_tensor_copy_
+    monkeypatch.setattr(ops, "multi_tensor_copy_", lambda *a: (copies.append(1), real_copy(*a)))
+    model, opt, got = run(_OnePassSGD)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert not copies and opt.writes == 3 * len(ref)
+    assert [m for m, _ in opt.pairs] == list(model.parameters())
+    assert [s for _, s in opt.pairs] == list(amp.master_params(opt))
+    amp.deinitialize()
+    assert opt.pairs == []
+
+
+@pytest.mark.parametrize("first, second", [("O2", "O0"), ("O3", "O0"), ("O0", "O3")])
+def test_reused_optimizer_state_follows_the_params_new_dtype(first, second):
+    """Found by the stress test: a second session casts the model, and the state an earlier
+    session left behind must follow, as Apex's state-dict round trip made it."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level=first, verbosity=0)
+    train(model, opt, 2)
+    amp.deinitialize()
+    amp.initialize(model, opt, opt_level=second, verbosity=0)
+    losses = train(model, opt, 2, start=2)
+    assert all(v.dtype == p.dtype for p in amp.master_params(opt)
+               for k, v in opt.state[p].items() if k != "step")
+    assert all(loss == loss for loss in losses)

@@ -159,3 +159,50 @@ def test_only_the_optimizers_of_the_overflowing_loss_skip():
     assert not torch.equal(before[0][0], models[0][0].weight)
     scalers = amp.frontend._session.current().scalers
     assert [s.loss_scale for s in scalers] == [2.0**16, 2.0**15]
+
+
+def _nan_every_step(model, opt, steps, bad=lambda step: True):
+    x, y = mlp_batch(0)
+    for step in range(steps):
+        with amp.scale_loss(xent(model(x), y), opt) as s:
+            s.backward()
+            if bad(step):
+                model[2].bias.grad[0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+
+
+def test_static_scale_skips_are_bounded_and_the_error_names_the_parameter(caplog):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # bf16 at O2: the default static 1.0, checked because of the masters
+    amp.initialize(model, opt, opt_level="O2", max_consecutive_skips=3, verbosity=1)
+    before = snapshot([model], [opt])
+    with caplog.at_level("INFO", logger="amp_patch"):
+        _nan_every_step(model, opt, 3)
+        with pytest.raises(LossScaleCollapseError, match=r"2\.bias") as err:
+            _nan_every_step(model, opt, 1)
+    assert "static" in str(err.value) and "4 consecutive" in str(err.value)
+    opt.step()  # a caller that caught the error: the step is still skipped
+    assert_identical(before, snapshot([model], [opt]))
+    lines = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    assert len(lines) == 3 and "reducing" not in lines[0]
+    assert lines[0].startswith("Gradient overflow.  Skipping step, loss scaler 0 keeps its "
+                               "static loss scale 1.0")
+
+
+def test_static_scale_count_restarts_after_a_clean_step():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, max_consecutive_skips=2,
+                   verbosity=0)
+    _nan_every_step(model, opt, 9, bad=lambda step: step % 3 != 2)  # two bad, one clean, ...
+    assert amp.state_dict()["loss_scaler0"]["skipped"] == 6
+
+
+def test_max_consecutive_skips_default_and_validation():
+    from amp_patch.properties import Properties
+
+    assert Properties.from_opt_level("O2", torch.bfloat16).max_consecutive_skips == 50
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        Properties.from_opt_level("O2", torch.bfloat16, max_consecutive_skips=0)

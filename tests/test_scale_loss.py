@@ -246,3 +246,40 @@ def test_exception_inside_scale_loss_then_deinitialize_leaves_torch_clean():
     amp.deinitialize()
     assert torch.mm is original_mm and torch.nn.functional.linear is original_linear
     assert "step" not in opt.__dict__
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_nested_scale_loss_is_a_clear_error_and_leaves_nothing_behind(level):
+    def run(nest):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level=level, loss_scale="dynamic", num_losses=2,
+                       verbosity=0)
+        x, y = mlp_batch(0)
+        if nest:
+            with pytest.raises(RuntimeError, match="nested"):
+                with amp.scale_loss(xent(model(x), y), opt) as outer:
+                    outer.backward()
+                    with amp.scale_loss(xent(model(x), y), opt, loss_id=1) as inner:
+                        inner.backward()
+            assert all(p.grad is None for p in amp.master_params(opt))
+        one_backward(model, opt)
+        opt.step()
+        out = [p.detach().clone() for p in model.parameters()]
+        amp.deinitialize()
+        return out
+
+    ref, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_nested_scale_loss_is_an_error_on_the_fast_path_too():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O3", verbosity=0)  # bf16: static 1.0, no masters
+    x, y = mlp_batch(0)
+    with pytest.raises(RuntimeError, match="nested"):
+        with amp.scale_loss(xent(model(x), y), opt):
+            with amp.scale_loss(xent(model(x), y), opt):
+                pass
+    one_backward(model, opt)  # the session is usable again

@@ -7,7 +7,7 @@ never cleared), so scripts that call them through
 device amp_patch's ops do, group tensors by device, and never sync with the
 host.
 
-Unlike Apex's kernels, these accept lists that mix fp32, fp16 and bf16.
+Unlike Apex's kernels, these accept lists that mix fp32, fp16, bf16 and fp64.
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ from torch import Tensor
 
 from amp_patch import ops
 
-__all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm"]
+__all__ = [
+    "multi_tensor_scale",
+    "multi_tensor_axpby",
+    "multi_tensor_l2norm",
+    "multi_tensor_unscale_l2norm",
+    "update_scale_hysteresis",
+]
 
 
 def _by_device(n: int, lists: Sequence[Sequence[Tensor]]) -> dict[torch.device, list[int]]:
@@ -115,16 +121,30 @@ def multi_tensor_axpby(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequenc
     _flagged(noop_flag, run, _by_device(len(x), tensor_lists))
 
 
+def _one_device(name: str, x: Sequence[Tensor]) -> None:
+    devices = {t.device for t in x}
+    if len(devices) > 1:
+        raise RuntimeError(f"amp_C.{name}: tensors are on several devices ({sorted(map(str, devices))})")
+
+
+def _flag_nonfinite_norm(noop_flag: Tensor, total: Tensor) -> None:
+    # Apex's norm kernels set the flag when a chunk's sum of squares is not
+    # finite; the total is then not finite either. A device mask: no host sync.
+    noop_flag.masked_fill_(~torch.isfinite(total).to(noop_flag.device), 1)
+
+
 def multi_tensor_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
-                        per_tensor: bool = False) -> tuple[Tensor, Tensor]:
+                        per_tensor: bool | None = None) -> tuple[Tensor, Tensor]:
     """The L2 norm of all tensors together (and of each), accumulated in fp32.
 
     Args:
         chunk_size (int): ignored (amp_patch's kernels chunk by themselves).
-        noop_flag (Tensor): left untouched, as Apex's kernel does; a non-finite
-            input shows as a non-finite norm.
+        noop_flag (Tensor): one-element int tensor, set to 1 when the norm is
+            not finite (an inf or NaN in the input, or a sum of squares past
+            fp32's range), as Apex's kernel did. Never cleared.
         tensor_lists (list): ``[x]``, one list of tensors on one device.
-        per_tensor (bool, optional): also return each tensor's norm. Default: False.
+        per_tensor (bool, optional): also return each tensor's norm; ``None``
+            means False, as in Apex. Default: None.
 
     Returns:
         tuple of Tensor: ``(total_norm, per_tensor_norms)`` as in Apex: ``total_norm``
@@ -137,8 +157,71 @@ def multi_tensor_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequen
     """
     _check_lengths("multi_tensor_l2norm", tensor_lists, 1)
     (x,) = tensor_lists
-    devices = {t.device for t in x}
-    if len(devices) > 1:
-        raise RuntimeError(f"amp_C.multi_tensor_l2norm: tensors are on several devices ({sorted(map(str, devices))})")
-    total, norms = ops.multi_tensor_l2norm(list(x), per_tensor)
+    _one_device("multi_tensor_l2norm", x)
+    total, norms = ops.multi_tensor_l2norm(list(x), bool(per_tensor))
+    _flag_nonfinite_norm(noop_flag, total)
     return total.reshape(1), norms
+
+
+def multi_tensor_unscale_l2norm(chunk_size: int, noop_flag: Tensor, tensor_lists: Sequence[Sequence[Tensor]],
+                                inv_scale: Tensor, per_tensor: bool | None = None) -> tuple[Tensor, Tensor]:
+    """The L2 norm of ``x * inv_scale`` (and of each tensor), without changing ``x``.
+
+    Each element is unscaled before it is squared, so the norm of scaled
+    grads is that of the true grads even where the scaled squares would
+    overflow.
+
+    Args:
+        chunk_size (int): ignored (amp_patch's kernels chunk by themselves).
+        noop_flag (Tensor): one-element int tensor, set to 1 when the norm is
+            not finite, as Apex's kernel did. Never cleared.
+        tensor_lists (list): ``[x]``, one list of tensors on the device of ``inv_scale``.
+        inv_scale (Tensor): one-element float32 tensor holding ``1 / scale``.
+        per_tensor (bool, optional): also return each tensor's norm; ``None``
+            means False, as in Apex. Default: None.
+
+    Returns:
+        tuple of Tensor: ``(total_norm [1], per_tensor_norms)``, as :func:`multi_tensor_l2norm`.
+
+    Example::
+
+        >>> inv = torch.full((1,), 1 / 65536.0, device="cuda")
+        >>> norm, _ = multi_tensor_applier(amp_C.multi_tensor_unscale_l2norm, noop, [grads], inv, False)
+    """
+    _check_lengths("multi_tensor_unscale_l2norm", tensor_lists, 1)
+    (x,) = tensor_lists
+    _one_device("multi_tensor_unscale_l2norm", x)
+    total, norms = ops.multi_tensor_unscale_l2norm(list(x), inv_scale, bool(per_tensor))
+    _flag_nonfinite_norm(noop_flag, total)
+    return total.reshape(1), norms
+
+
+def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: Tensor,
+                            found_inf: Tensor, growth_factor: float, backoff_factor: float,
+                            growth_interval: int, hysteresis: int) -> Tensor:
+    """Apex's dynamic loss-scale step with hysteresis, on the device; returns ``current_scale``.
+
+    See :func:`amp_patch.ops.update_scale_hysteresis` for the rules. A scale
+    backed off below fp32's smallest normal number goes through the denormals
+    to zero, as fp32 arithmetic does; Apex's test expected zero at once there.
+
+    Args:
+        current_scale (Tensor): one-element float32 scale, updated in place.
+        growth_tracker (Tensor): one-element int32 count of clean steps, updated in place.
+        hysteresis_tracker (Tensor): one-element int32 hysteresis left, updated in place.
+        found_inf (Tensor): one-element float32 flag of this step.
+        growth_factor (float): multiplier after ``growth_interval`` clean steps.
+        backoff_factor (float): multiplier on an inf once the hysteresis is used up.
+        growth_interval (int): clean steps between growths.
+        hysteresis (int): inf steps tolerated before the scale backs off.
+
+    Returns:
+        Tensor: ``current_scale``, as Apex's returned it.
+
+    Example::
+
+        >>> scale = amp_C.update_scale_hysteresis(scale, growth, hyst, found_inf, 2.0, 0.5, 2000, 2)
+    """
+    ops.update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
+                                growth_factor, backoff_factor, growth_interval, hysteresis)
+    return current_scale

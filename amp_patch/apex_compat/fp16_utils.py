@@ -1,15 +1,13 @@
 """``apex.fp16_utils`` for ``amp-patch run``: the manual mixed-precision helpers.
 
 Apex's ``fp16_utils`` predates ``amp``: helpers to cast a network to half
-while keeping batch norms in fp32, and to keep fp32 master copies of the
-parameters by hand. Those helpers are here. "fp16" means the half dtype of
-the device, as everywhere in amp_patch: float16 on CUDA, bfloat16 elsewhere
-(fp16 matmuls on most CPUs are hundreds of times slower than fp32).
-
-``FP16_Optimizer`` and the old ``LossScaler`` / ``DynamicLossScaler`` classes
-are not provided: ``amp.initialize(model, optimizer, opt_level="O2")`` and
-``amp.scale_loss`` do the same job (fp32 master weights, dynamic loss
-scaling, skipped steps on overflow).
+while keeping batch norms in fp32, to keep fp32 master copies of the
+parameters by hand, and :class:`FP16_Optimizer` with the old
+:class:`LossScaler` / :class:`DynamicLossScaler`, which do the master weights
+and loss scaling for a model the script made half itself (those three live
+in :mod:`amp_patch.apex_compat.fp16_optimizer`). "fp16" means the half dtype
+of the device, as everywhere in amp_patch: float16 on CUDA, bfloat16
+elsewhere (fp16 matmuls on most CPUs are hundreds of times slower than fp32).
 """
 
 from __future__ import annotations
@@ -21,7 +19,12 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from amp_patch.apex_compat.fp16_optimizer import DynamicLossScaler, FP16_Optimizer, LossScaler
+
 __all__ = [
+    "FP16_Optimizer",
+    "LossScaler",
+    "DynamicLossScaler",
     "tofp16",
     "BN_convert_float",
     "network_to_half",

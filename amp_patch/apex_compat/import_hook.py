@@ -2,10 +2,17 @@
 
 A :class:`sys.meta_path` finder answers imports of ``apex``, its supported
 submodules, and ``amp_C`` with small modules whose attributes come from
-amp_patch (see :data:`MODULES`). Anything else under ``apex`` fails at import
-with :class:`ApexUnsupportedError`, a subclass of :class:`ImportError` whose
-message names what is missing, so that a script's own
-``try: ... except ImportError`` fallbacks keep working.
+amp_patch (see :data:`MODULES`). Each served module holds, in its
+``__dict__``, the public names Apex's module had that amp_patch serves, and
+its ``__all__`` lists them, so ``from apex.fp16_utils import *`` and
+``'state_dict' in amp.__dict__`` behave as with Apex.
+
+Anything else under ``apex`` fails at import with :class:`ApexUnsupportedError`,
+a subclass of :class:`ImportError` whose message names what is missing, so that
+a script's own ``try: ... except ImportError`` fallbacks keep working. Such a
+miss is never silent: it is logged as a warning naming the name and what to use
+instead, even when the script catches the error, and the finder records it in
+:attr:`ApexFinder.misses` (``amp-patch run`` prints a summary at the end).
 
 Every module it serves is a package with an empty ``__path__``. That makes
 ``from apex.optimizers import FusedLAMB`` ask the finder about
@@ -24,56 +31,105 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 import types
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 __all__ = ["ApexUnsupportedError", "ApexFinder", "MODULES", "install", "uninstall", "apex_import_hook"]
+
+logger = logging.getLogger("amp_patch")
 
 
 @dataclass(frozen=True)
 class _Mapping:
-    target: str | None  # module whose public names are served; None: only submodules
+    target: str | None  # module whose attributes are served; None: only submodules
     what: str  # for the list of supported names in error messages
+    #: The public names of Apex's module: those the target has are served and form ``__all__``.
+    #: Empty: the target's own ``__all__``.
+    apex_all: tuple[str, ...] = ()
+    #: Private names served too (not in ``__all__``), each from a ``"module:attribute"``.
+    extras: dict[str, str] = field(default_factory=dict)
 
+
+_AMP_STATE_MODULE = "amp_patch.apex_compat.amp_state"
+_AMP_STATE = {"_amp_state": f"{_AMP_STATE_MODULE}:amp_state"}
+_FP16_UTILS = "amp_patch.apex_compat.fp16_utils"
+_FP16UTIL_NAMES = ("BN_convert_float", "network_to_half", "prep_param_lists",
+                   "model_grads_to_master_grads", "master_params_to_model_params", "tofp16",
+                   "to_python_float", "clip_grad_norm", "convert_module", "convert_network",
+                   "FP16Model")
+_AMP_NAMES = ("init", "half_function", "float_function", "promote_function",
+              "register_half_function", "register_float_function", "register_promote_function",
+              "scale_loss", "disable_casts", "initialize", "state_dict", "load_state_dict",
+              "master_params")
 
 #: The names served, and where their attributes come from.
 MODULES: dict[str, _Mapping] = {
-    "apex": _Mapping(None, "the package"),
-    "apex.amp": _Mapping("amp_patch", "amp_patch's public API"),
-    "apex.optimizers": _Mapping("amp_patch.apex_compat.optimizers", "FusedAdam, FusedSGD"),
+    "apex": _Mapping(None, "the package",
+                     ("amp", "fp16_utils", "optimizers", "normalization", "parallel")),
+    "apex.amp": _Mapping("amp_patch", "amp_patch's public API, and _amp_state", _AMP_NAMES,
+                         _AMP_STATE),
+    "apex.amp.frontend": _Mapping("amp_patch",
+                                  "initialize, state_dict, load_state_dict, _amp_state",
+                                  ("initialize", "state_dict", "load_state_dict"),
+                                  _AMP_STATE),
+    "apex.amp._amp_state": _Mapping(_AMP_STATE_MODULE, "_amp_state (a live view), master_params",
+                                    ("master_params",), _AMP_STATE),
+    "apex.optimizers": _Mapping(
+        "amp_patch.apex_compat.optimizers", "FusedAdam, FusedSGD",
+        ("FusedSGD", "FusedAdam", "FusedNovoGrad", "FusedLAMB", "FusedAdagrad",
+         "FusedMixedPrecisionLamb")),
     "apex.parallel": _Mapping(
         "amp_patch.apex_compat.parallel",
-        "DistributedDataParallel, SyncBatchNorm, convert_syncbn_model"),
-    "apex.normalization": _Mapping("amp_patch.apex_compat.normalization",
-                                   "FusedLayerNorm, FusedRMSNorm"),
+        "DistributedDataParallel, SyncBatchNorm, convert_syncbn_model, LARC",
+        ("DistributedDataParallel", "Reducer", "SyncBatchNorm", "convert_syncbn_model",
+         "create_syncbn_process_group", "ReduceOp", "LARC")),
+    "apex.parallel.LARC": _Mapping("amp_patch.apex_compat.larc", "LARC", ("LARC",)),
+    "apex.normalization": _Mapping(
+        "amp_patch.apex_compat.normalization", "FusedLayerNorm, FusedRMSNorm",
+        ("FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm", "MixedFusedRMSNorm")),
     "apex.fp16_utils": _Mapping(
-        "amp_patch.apex_compat.fp16_utils",
-        "network_to_half, BN_convert_float, FP16Model, prep_param_lists, ... (not FP16_Optimizer)"),
+        _FP16_UTILS, "FP16_Optimizer, LossScaler, DynamicLossScaler, network_to_half, ...",
+        (*_FP16UTIL_NAMES, "FP16_Optimizer", "LossScaler", "DynamicLossScaler")),
+    "apex.fp16_utils.fp16util": _Mapping(_FP16_UTILS, "network_to_half, ...", _FP16UTIL_NAMES),
+    "apex.fp16_utils.fp16_optimizer": _Mapping(_FP16_UTILS, "FP16_Optimizer", ("FP16_Optimizer",)),
+    "apex.fp16_utils.loss_scaler": _Mapping(
+        _FP16_UTILS, "LossScaler, DynamicLossScaler",
+        ("LossScaler", "DynamicLossScaler", "to_python_float")),
     "apex.multi_tensor_apply": _Mapping("amp_patch.apex_compat.multi_tensor_apply",
-                                        "multi_tensor_applier, MultiTensorApply"),
+                                        "multi_tensor_applier, MultiTensorApply",
+                                        ("MultiTensorApply", "multi_tensor_applier")),
     "amp_C": _Mapping("amp_patch.apex_compat.amp_C",
-                      "multi_tensor_scale, multi_tensor_axpby, multi_tensor_l2norm"),
+                      "multi_tensor_scale, multi_tensor_axpby, multi_tensor_l2norm, "
+                      "multi_tensor_unscale_l2norm, update_scale_hysteresis"),
 }
 
-_AMP_O2_HINT = ("amp.initialize(model, optimizer, opt_level='O2') with amp.scale_loss(loss, "
-                "optimizer) keeps fp32 master weights and scales the loss")
-
-# What to do instead, for names people are likely to meet.
+# What to use instead, for names people are likely to meet.
 _HINTS: dict[str, str] = {
-    "apex.fp16_utils.FP16_Optimizer": _AMP_O2_HINT,
-    "apex.fp16_utils.LossScaler": _AMP_O2_HINT,
-    "apex.fp16_utils.DynamicLossScaler": _AMP_O2_HINT,
-    "apex.optimizers.FusedLAMB": "no LAMB in torch.optim; use a LAMB implementation of your choice",
-    "apex.optimizers.FusedNovoGrad": "no NovoGrad in torch.optim",
-    "apex.optimizers.FusedAdagrad": "use torch.optim.Adagrad(..., fused=True)",
-    "apex.normalization.MixedFusedLayerNorm": "use torch.nn.LayerNorm under opt_level='O1'",
-    "apex.contrib": "Apex's contrib CUDA extensions are not provided",
-    "apex.transformer": "Apex's Megatron-style tensor/pipeline parallel utilities are not provided",
-    "apex.mlp": "use torch.nn.Linear layers (amp_patch casts them under O1-O3)",
-    "apex.RNN": "use torch.nn.LSTM / GRU (supported under O1)",
-    "apex.reparameterization": "use torch.nn.utils.parametrizations.weight_norm",
+    "apex.optimizers.FP16_Optimizer": "apex.fp16_utils.FP16_Optimizer (Apex's later spelling), "
+                                      "or amp.initialize(..., opt_level='O2')",
+    "apex.optimizers.FusedLAMB": "a LAMB implementation of your choice (torch.optim has none)",
+    "apex.optimizers.FusedNovoGrad": "a NovoGrad implementation of your choice (torch.optim has "
+                                     "none)",
+    "apex.optimizers.FusedAdagrad": "torch.optim.Adagrad(..., fused=True)",
+    "apex.normalization.MixedFusedLayerNorm": "torch.nn.LayerNorm under opt_level='O1'",
+    "apex.normalization.MixedFusedRMSNorm": "torch.nn.RMSNorm under opt_level='O1'",
+    "apex.parallel.Reducer": "torch.nn.parallel.DistributedDataParallel, or "
+                             "torch.distributed.all_reduce on the gradients",
+    "apex.parallel.multiproc": "torchrun",
+    "apex.amp": "the public apex.amp API and _amp_state, which amp_patch serves (amp.initialize, "
+                "amp.scale_loss, amp.state_dict, ...)",
+    "apex.contrib": "torch's own ops (torch.nn.CrossEntropyLoss for xentropy, torch.optim's "
+                    "fused=True optimizers, torch.nn.functional.scaled_dot_product_attention); "
+                    "Apex's contrib CUDA extensions are not provided",
+    "apex.transformer": "torch.distributed.tensor.parallel, or Megatron-LM; Apex's Megatron-style "
+                        "parallel utilities are not provided",
+    "apex.mlp": "torch.nn.Linear layers (amp_patch casts them under O1-O3)",
+    "apex.RNN": "torch.nn.LSTM / GRU (supported under O1)",
+    "apex.reparameterization": "torch.nn.utils.parametrizations.weight_norm",
+    "apex.fused_dense": "torch.nn.Linear (amp_patch casts it under O1-O3)",
 }
 
 
@@ -81,12 +137,18 @@ class ApexUnsupportedError(ImportError):
     """An ``apex`` name that amp_patch's compatibility layer does not provide."""
 
 
+def _hint(name: str) -> str | None:
+    # The longest matching key wins: apex.amp.scaler's hint over apex's.
+    keys = [k for k in _HINTS if name == k or name.startswith(k + ".")]
+    return _HINTS[max(keys, key=len)] if keys else None
+
+
 def unsupported_message(name: str) -> str:
     """The error message for the unsupported name ``name`` (e.g. ``"apex.contrib.xyz"``)."""
-    hint = next((h for key, h in _HINTS.items() if name == key or name.startswith(key + ".")), None)
+    hint = _hint(name)
     supported = "; ".join(f"{n} ({m.what})" for n, m in MODULES.items() if n != "apex")
     return (f"{name} is not supported by amp_patch's Apex compatibility layer (amp-patch run)."
-            + (f" Instead: {hint}." if hint else "")
+            + (f" Use instead: {hint}." if hint else "")
             + f" Supported: {supported}. See docs/migration.md.")
 
 
@@ -98,40 +160,67 @@ def _public_names(module: types.ModuleType) -> list[str]:
 
 
 class _ShimModule(types.ModuleType):
-    """A served module: its public attributes are looked up, on use, in its target module."""
+    """A served module: Apex's public names in ``__dict__``, the target's others on use."""
 
-    def __init__(self, name: str, mapping: _Mapping) -> None:
+    def __init__(self, name: str, mapping: _Mapping, on_miss: Callable[[str], None]) -> None:
         super().__init__(name, f"{name}, served by amp_patch ({mapping.what}).")
         self._amp_patch_mapping = mapping
+        self._amp_patch_on_miss = on_miss
 
-    def _target_names(self) -> tuple[types.ModuleType | None, list[str]]:
-        target = self._amp_patch_mapping.target
-        if target is None:
+    def _populate(self) -> None:
+        mapping = self._amp_patch_mapping
+        if mapping.target is None:
             prefix = self.__name__ + "."
-            return None, [n[len(prefix):] for n in MODULES if n.startswith(prefix)]
-        module = importlib.import_module(target)
-        return module, _public_names(module)
+            self.__all__ = [n for n in mapping.apex_all if prefix + n in MODULES]
+            return
+        target = importlib.import_module(mapping.target)
+        names = [n for n in mapping.apex_all if hasattr(target, n)] or _public_names(target)
+        for name in names:
+            self.__dict__[name] = getattr(target, name)
+        for name, source in mapping.extras.items():
+            module, _, attr = source.partition(":")
+            self.__dict__[name] = getattr(importlib.import_module(module), attr)
+        self.__all__ = names
 
     def __getattr__(self, attr: str):
-        if attr.startswith("__") or attr == "_amp_patch_mapping":
+        if attr.startswith("__") or attr.startswith("_amp_patch_"):
             raise AttributeError(attr)
-        module, names = self._target_names()
-        if attr in names:
-            if module is None:
+        mapping = self._amp_patch_mapping
+        if mapping.target is None:
+            if f"{self.__name__}.{attr}" in MODULES:
                 return importlib.import_module(f"{self.__name__}.{attr}")
-            return getattr(module, attr)
-        raise AttributeError(unsupported_message(f"{self.__name__}.{attr}"))
+        else:
+            target = importlib.import_module(mapping.target)
+            if not attr.startswith("_") and attr in _public_names(target):
+                return getattr(target, attr)
+        name = f"{self.__name__}.{attr}"
+        self._amp_patch_on_miss(name)
+        raise AttributeError(unsupported_message(name))
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(self._target_names()[1]))
+        return sorted(set(super().__dir__()) | set(getattr(self, "__all__", [])))
 
 
 class _ShimLoader(importlib.abc.Loader):
+    def __init__(self, finder: "ApexFinder") -> None:
+        self._finder = finder
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _ShimModule(spec.name, MODULES[spec.name])
+        return _ShimModule(spec.name, MODULES[spec.name], self._finder.record_miss)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """Nothing to run: attributes are resolved on access."""
+        """Fill the module's names, then load the submodules that share a name with one of them."""
+        module._populate()
+        # ``import apex.parallel.LARC`` would otherwise replace the attribute ``LARC`` (the
+        # class) by the submodule; loaded here first, the import finds it in sys.modules
+        # and leaves the parent alone, as Apex's own imports did.
+        for child in MODULES:
+            head, _, attr = child.rpartition(".")
+            if head == module.__name__ and attr in module.__dict__ and child not in sys.modules:
+                sub = importlib.util.module_from_spec(
+                    importlib.util.spec_from_loader(child, self, is_package=True))
+                sys.modules[child] = sub
+                self.exec_module(sub)
 
 
 class ApexFinder(importlib.abc.MetaPathFinder):
@@ -141,16 +230,33 @@ class ApexFinder(importlib.abc.MetaPathFinder):
         roots (set of str): the top-level names to answer (``"apex"``,
             ``"amp_C"``); those that a real installation provides are left out
             by :func:`install` unless shadowing was asked for.
+
+    Attributes:
+        misses (dict): each Apex name asked for and not served, in order, to
+            what to use instead (or None). Each is logged once, as a warning.
     """
 
     def __init__(self, roots: set[str]) -> None:
         self.roots = frozenset(roots)
-        self._loader = _ShimLoader()
+        self.misses: dict[str, str | None] = {}
+        self._loader = _ShimLoader(self)
+
+    def record_miss(self, name: str) -> None:
+        """Log, once per name, that the script asked for an Apex name amp_patch does not serve."""
+        if name in self.misses:
+            return
+        hint = _hint(name)
+        self.misses[name] = hint
+        logger.warning("%s is not provided by amp_patch%s. If the script catches this ImportError "
+                       "it now runs without it.", name, f"; use instead: {hint}" if hint else
+                       " (docs/migration.md lists what is served)")
 
     def find_spec(self, fullname: str, path=None, target=None):
         if fullname.partition(".")[0] not in self.roots:
             return None
-        if fullname not in MODULES:
+        mapping = MODULES.get(fullname)
+        if mapping is None:
+            self.record_miss(fullname)
             raise ApexUnsupportedError(unsupported_message(fullname), name=fullname)
         return importlib.util.spec_from_loader(fullname, self._loader, is_package=True)
 

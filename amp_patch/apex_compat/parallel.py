@@ -1,24 +1,85 @@
-"""``apex.parallel`` for ``amp-patch run``: DistributedDataParallel and SyncBatchNorm on torch's.
+"""``apex.parallel`` for ``amp-patch run``: DistributedDataParallel, SyncBatchNorm and LARC.
 
 torch's :class:`~torch.nn.parallel.DistributedDataParallel` does what Apex's
 did (bucketed all-reduce overlapped with backward), so Apex's class is torch's
 with Apex's constructor arguments: the tuning ones are mapped or ignored, the
 ones that change what is computed and that torch cannot express raise.
+:class:`SyncBatchNorm` is torch's with Apex's arguments (``channel_last``,
+``fuse_relu``) and Apex's ``forward(input, z=None)``. ``LARC`` is amp_patch's
+(``amp_patch.apex_compat.larc``), loaded on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model"]
+from amp_patch.apex_compat.larc import LARC
+
+__all__ = ["DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model",
+           "create_syncbn_process_group", "ReduceOp", "LARC"]
 
 logger = logging.getLogger("amp_patch")
 
-#: torch's SyncBatchNorm; Apex's had the same constructor arguments.
-SyncBatchNorm = nn.SyncBatchNorm
+#: torch.distributed's reduction ops, which Apex re-exported.
+ReduceOp = dist.ReduceOp
+
+
+class SyncBatchNorm(nn.SyncBatchNorm):
+    """Apex's ``SyncBatchNorm``: torch's, with Apex's arguments and ``forward(input, z=None)``.
+
+    Statistics are reduced over the process group in training when
+    torch.distributed is initialized; otherwise it is a plain batch norm.
+
+    Args:
+        num_features (int): the channel count ``C``.
+        eps (float, optional): Default: 1e-5.
+        momentum (float, optional): running-statistics momentum (None: cumulative
+            average). Default: 0.1.
+        affine (bool, optional): learn a scale and shift. Default: True.
+        track_running_stats (bool, optional): Default: True.
+        process_group (optional): the group to synchronise over. Default: the world.
+        channel_last (bool, optional): the channel is the input's last
+            dimension (``N, ..., C``) rather than its second. Default: False.
+        fuse_relu (bool, optional): apply ReLU to the output (after adding
+            ``z``). Default: False.
+
+    Example::
+
+        >>> bn = SyncBatchNorm(16, channel_last=True, fuse_relu=True)
+        >>> bn(torch.randn(4, 8, 8, 16)).shape
+        torch.Size([4, 8, 8, 16])
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 channel_last: bool = False, fuse_relu: bool = False) -> None:
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats, process_group=process_group)
+        self.channel_last = channel_last
+        self.fuse_relu = fuse_relu
+
+    def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise ``input``, add ``z`` if given, then ReLU if ``fuse_relu``."""
+        # A 2-d input is (N, C) either way, as in Apex.
+        channel_last = self.channel_last and input.dim() > 2
+        x = input.movedim(-1, 1) if channel_last else input
+        out = super().forward(x)
+        if channel_last:
+            out = out.movedim(1, -1)
+        if z is not None:
+            out = out + z
+        return F.relu(out) if self.fuse_relu else out
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr()
+                + f", channel_last={self.channel_last}, fuse_relu={self.fuse_relu}")
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
@@ -70,20 +131,71 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         super().__init__(module, bucket_cap_mb=message_size * 4 / 2**20)
 
 
-def convert_syncbn_model(module: nn.Module, process_group=None, channel_last: bool = False) -> nn.Module:
-    """Replace every BatchNorm in ``module`` by :class:`torch.nn.SyncBatchNorm`, as Apex's did.
+def convert_syncbn_model(module: nn.Module, process_group=None,
+                         channel_last: bool = False) -> nn.Module:
+    """Replace every batch norm in ``module`` by a :class:`SyncBatchNorm`, as Apex's did.
+
+    The new layers take over the old ones' parameters (the same
+    :class:`~torch.nn.Parameter` objects, so an optimizer made before still
+    steps them) and running statistics.
 
     Args:
-        module (torch.nn.Module): the model.
+        module (torch.nn.Module): the model (or a single batch norm).
         process_group (optional): the group to synchronise over. Default: the world.
-        channel_last (bool, optional): only False is supported.
+        channel_last (bool, optional): the new layers expect ``N, ..., C``
+            inputs. Default: False.
 
     Returns:
-        torch.nn.Module: the converted module.
+        torch.nn.Module: the converted module (``module`` itself unless it is a batch norm).
+
+    Example::
+
+        >>> model = convert_syncbn_model(model)
     """
-    if channel_last:
-        raise ValueError("apex.parallel.convert_syncbn_model(channel_last=True) is not supported")
-    return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+    out = module
+    if isinstance(module, _BatchNorm):
+        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group, channel_last=channel_last)
+        with torch.no_grad():
+            if module.affine:
+                out.weight, out.bias = module.weight, module.bias
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+        out.train(module.training)
+    for name, child in module.named_children():
+        out.add_module(name, convert_syncbn_model(child, process_group, channel_last))
+    return out
 
 
-del torch
+def create_syncbn_process_group(group_size: int):
+    """Split the world into groups of ``group_size`` consecutive ranks; return this rank's.
+
+    Every process must call it: each group is created on all of them.
+
+    Args:
+        group_size (int): ranks per group; 0 means the whole world (returns None).
+
+    Returns:
+        The process group of this rank, or None for the world.
+
+    Raises:
+        ValueError: ``group_size`` does not divide the world size.
+
+    Example::
+
+        >>> group = create_syncbn_process_group(2)
+        >>> model = convert_syncbn_model(model, process_group=group)
+    """
+    if group_size == 0:
+        return None
+    world = dist.get_world_size()
+    if group_size < 0 or group_size > world or world % group_size:
+        raise ValueError(f"create_syncbn_process_group: group_size {group_size} must divide the "
+                         f"world size {world}")
+    mine = None
+    for start in range(0, world, group_size):
+        group = dist.new_group(ranks=list(range(start, start + group_size)))
+        if start <= dist.get_rank() < start + group_size:
+            mine = group
+    return mine

@@ -26,7 +26,8 @@ Run a Python script (or module, with -m) as __main__, with an import hook that
 serves `apex` from amp_patch: apex.amp, apex.optimizers (FusedAdam, FusedSGD),
 apex.parallel (DistributedDataParallel), apex.normalization, apex.fp16_utils
 and apex.multi_tensor_apply / amp_C. The script needs no edits. An apex name
-amp_patch does not provide fails at import with a message naming it.
+amp_patch does not provide fails at import with a message naming it, is logged
+as a warning even if the script catches the error, and is listed at the end.
 
 A real apex installed on this machine is used as it is, unless --shadow-apex
 is given. Arguments after the script name are passed to the script.
@@ -129,6 +130,11 @@ def run_script(target: str, args: list[str], *, module: bool = False, shadow_ape
             if cuda_on_cpu is not None:
                 cuda_on_cpu.uninstall()
             import_hook.uninstall(finder)
+            if finder.misses:
+                # One line, so that a script that caught the ImportError and fell back is noticed.
+                print(f"amp-patch run: {len(finder.misses)} apex name(s) not served by amp_patch "
+                      f"(the script may have run without them): {', '.join(finder.misses)}",
+                      file=sys.stderr)
             sys.argv[:] = saved_argv
             sys.path[:] = saved_path
 

@@ -184,12 +184,13 @@ bool scale_loop(const void* in_, void* out_, int64_t n, float scale) {
 }
 
 // Matches the reference's rounding: a*x and b*y are each rounded to fp32 before
-// the add (setup.py builds with -ffp-contract=off so no FMA fuses them).
+// the add (setup.py builds with -ffp-contract=off so no FMA fuses them). The
+// reference multiplies fp32 tensors by Python floats, which torch rounds to fp32.
 template <typename TX, typename TY>
-bool axpby_loop(const void* x_, void* y_, int64_t n, float a, float b) {
+bool axpby_loop(const void* x_, void* y_, int64_t n, double a, double b) {
   const TX* x = static_cast<const TX*>(x_);
   TY* y = static_cast<TY*>(y_);
-  const Vec av(a), bv(b);
+  const Vec av(static_cast<float>(a)), bv(static_cast<float>(b));
   Vec acc(0.f);
   for_blocks(0, n, [&](int64_t i, int64_t c) {
     Vec xlo, xhi, ylo, yhi;
@@ -201,10 +202,72 @@ bool axpby_loop(const void* x_, void* y_, int64_t n, float a, float b) {
   return any_nan(acc);
 }
 
+// Pairs with an fp64 side compute in fp64. They are rare (a parameter kept in
+// double), so they are plain loops, which the compiler vectorises where the
+// conversions allow; the finiteness test is on the bits, an integer OR.
+template <typename T>
+inline double to_f64(T x) {
+  return static_cast<double>(static_cast<float>(x));
+}
+template <>
+inline double to_f64<double>(double x) {
+  return x;
+}
+
+// Through float, as torch's own casts from double to Half and BFloat16 go
+// (their constructors take a float): rounded twice.
+template <typename T>
+inline T from_f64(double v) {
+  if constexpr (std::is_same_v<T, double>) {
+    return v;
+  } else {
+    return static_cast<T>(static_cast<float>(v));
+  }
+}
+
+inline bool nonfinite_f64(double v) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
+template <typename TI, typename TO>
+bool scale_loop_f64(const void* in_, void* out_, int64_t n, float scale) {
+  const TI* in = static_cast<const TI*>(in_);
+  TO* out = static_cast<TO*>(out_);
+  const double s = scale;
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = to_f64(in[i]);
+    bad |= nonfinite_f64(v);
+    out[i] = from_f64<TO>(v * s);
+  }
+  return bad;
+}
+
+template <typename TX, typename TY>
+bool axpby_loop_f64(const void* x_, void* y_, int64_t n, double a, double b) {
+  const TX* x = static_cast<const TX*>(x_);
+  TY* y = static_cast<TY*>(y_);
+  bool bad = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const double xv = to_f64(x[i]);
+    bad |= nonfinite_f64(xv);
+    y[i] = from_f64<TY>(a * xv + b * to_f64(y[i]));
+  }
+  return bad;
+}
+
 template <typename TI, typename TO>
 void copy_loop(const void* in_, void* out_, int64_t n) {
   if constexpr (std::is_same_v<TI, TO>) {
     std::memcpy(out_, in_, n * sizeof(TI));
+  } else if constexpr (std::is_same_v<TI, double> || std::is_same_v<TO, double>) {
+    const TI* in = static_cast<const TI*>(in_);
+    TO* out = static_cast<TO*>(out_);
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = from_f64<TO>(to_f64(in[i]));
+    }
   } else {
     const TI* in = static_cast<const TI*>(in_);
     TO* out = static_cast<TO*>(out_);
@@ -217,16 +280,24 @@ void copy_loop(const void* in_, void* out_, int64_t n) {
 }
 
 // Four independent accumulators (two blocks per step) so the FMA latency
-// chain does not limit a loop that should run at memory bandwidth.
-template <typename TI>
-double sumsq_loop(const void* in_, int64_t n) {
+// chain does not limit a loop that should run at memory bandwidth. kScaled
+// multiplies each element by scale first (unscale_l2norm), rounded to fp32.
+template <typename TI, bool kScaled>
+double sumsq_loop(const void* in_, int64_t n, float scale) {
   const TI* in = static_cast<const TI*>(in_);
+  const Vec s(scale);
   Vec acc0(0.f), acc1(0.f), acc2(0.f), acc3(0.f);
   int64_t i = 0;
   for (; i + 2 * kBlock <= n; i += 2 * kBlock) {
     Vec a, b, c, d;
     Block<TI>::load(in + i, a, b);
     Block<TI>::load(in + i + kBlock, c, d);
+    if constexpr (kScaled) {
+      a = a * s;
+      b = b * s;
+      c = c * s;
+      d = d * s;
+    }
     acc0 = at::vec::fmadd(a, a, acc0);
     acc1 = at::vec::fmadd(b, b, acc1);
     acc2 = at::vec::fmadd(c, c, acc2);
@@ -235,6 +306,10 @@ double sumsq_loop(const void* in_, int64_t n) {
   for_blocks(i, n, [&](int64_t j, int64_t c) {
     Vec lo, hi;
     load_block(in + j, c, lo, hi);
+    if constexpr (kScaled) {
+      lo = lo * s;  // the zero padding stays zero
+      hi = hi * s;
+    }
     acc0 = at::vec::fmadd(lo, lo, acc0);
     acc1 = at::vec::fmadd(hi, hi, acc1);
   });
@@ -247,24 +322,58 @@ double sumsq_loop(const void* in_, int64_t n) {
   return total;
 }
 
-// Index order matches Dt: kF32, kF16, kBF16.
+// fp64: the squares of the (scaled) values summed in fp64, four sums at a time.
+template <bool kScaled>
+double sumsq_loop_f64(const void* in_, int64_t n, float scale) {
+  const double* in = static_cast<const double*>(in_);
+  const double s = scale;
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int k = 0; k < 4; ++k) {
+      const double v = kScaled ? in[i + k] * s : in[i + k];
+      acc[k] += v * v;
+    }
+  }
+  for (; i < n; ++i) {
+    const double v = kScaled ? in[i] * s : in[i];
+    acc[0] += v * v;
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+// Index order matches Dt: kF32, kF16, kBF16, kF64.
 template <int I>
-using TypeAt = std::tuple_element_t<I, std::tuple<float, c10::Half, c10::BFloat16>>;
+using TypeAt = std::tuple_element_t<I, std::tuple<float, c10::Half, c10::BFloat16, double>>;
 
 template <int I, int J>
 void fill_pair(KernelTable& t) {
-  t.scale[I][J] = &scale_loop<TypeAt<I>, TypeAt<J>>;
-  t.axpby[I][J] = &axpby_loop<TypeAt<I>, TypeAt<J>>;
-  t.copy[I][J] = &copy_loop<TypeAt<I>, TypeAt<J>>;
+  using TI = TypeAt<I>;
+  using TO = TypeAt<J>;
+  if constexpr (std::is_same_v<TI, double> || std::is_same_v<TO, double>) {
+    t.scale[I][J] = &scale_loop_f64<TI, TO>;
+    t.axpby[I][J] = &axpby_loop_f64<TI, TO>;
+  } else {
+    t.scale[I][J] = &scale_loop<TI, TO>;
+    t.axpby[I][J] = &axpby_loop<TI, TO>;
+  }
+  t.copy[I][J] = &copy_loop<TI, TO>;
+}
+
+template <bool kScaled>
+void fill_sumsq(SumsqFn (&f)[kNumDt]) {
+  f[kF32] = &sumsq_loop<float, kScaled>;
+  f[kF16] = &sumsq_loop<c10::Half, kScaled>;
+  f[kBF16] = &sumsq_loop<c10::BFloat16, kScaled>;
+  f[kF64] = &sumsq_loop_f64<kScaled>;
 }
 
 template <int... K>
 KernelTable make_table(std::integer_sequence<int, K...>) {
   KernelTable t{};
   (fill_pair<K / kNumDt, K % kNumDt>(t), ...);
-  t.sumsq[kF32] = &sumsq_loop<float>;
-  t.sumsq[kF16] = &sumsq_loop<c10::Half>;
-  t.sumsq[kBF16] = &sumsq_loop<c10::BFloat16>;
+  fill_sumsq<false>(t.sumsq);
+  fill_sumsq<true>(t.scaled_sumsq);
   return t;
 }
 

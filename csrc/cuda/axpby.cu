@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "multi_tensor_apply.cuh"
+#include "overlap.h"
 #include "tensor_lists.cuh"
 
 namespace amp_patch::cuda {
@@ -15,18 +16,19 @@ namespace {
 
 template <typename X, typename Y>
 struct AxpbyOp {
-  float a;
-  float b;
+  using M = opmath_t<X, Y>;
+  M a;
+  M b;
   float* found_inf;
 
   __device__ void operator()(const Chunk<2>& c) const {
     bool nonfinite = false;
-    // Two products and a sum, each rounded to fp32 and never fused into an
-    // FMA, so that the result matches the reference `a * x.float() + b * y.float()`.
+    // Two products and a sum, each rounded to opmath and never fused into an
+    // FMA, so that the result matches the reference `a * x.to(m) + b * y.to(m)`.
     for_each_element<Access::kReadWrite>(c.in<X>(), c.out<Y>(), c.n, [&](X x, Y y) {
-      const float xf = to_float(x);
-      nonfinite |= is_nonfinite(xf);
-      return from_float<Y>(__fadd_rn(__fmul_rn(a, xf), __fmul_rn(b, to_float(y))));
+      const M xv = to_opmath<M>(x);
+      nonfinite |= is_nonfinite(xv);
+      return from_opmath<Y>(add_rn(mul_rn(a, xv), mul_rn(b, to_opmath<M>(y))));
     });
     if (nonfinite) {
       *found_inf = 1.0f;  // racing writers all store the same value
@@ -41,6 +43,7 @@ void multi_tensor_axpby_cuda(
   check_found_inf(op, found_inf);
   check_list(op, "x", x, found_inf.device(), "found_inf");
   check_list(op, "y", y, found_inf.device(), "found_inf");
+  check_no_overlap(op, "y", y, "x", x);
   const c10::cuda::CUDAGuard guard(found_inf.device());
 
   Plan<2> plan;
@@ -48,14 +51,14 @@ void multi_tensor_axpby_cuda(
     plan.add(x[i], y[i], /*read_dst=*/true);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // The Python scalars are rounded to fp32 once, as ATen's fp32 kernels take them.
-  const float fa = static_cast<float>(a);
-  const float fb = static_cast<float>(b);
   float* flag = found_inf.data_ptr<float>();
   plan.run([&](auto in, auto out, const std::vector<Task<2>>& tasks) {
     using X = typename decltype(in)::type;
     using Y = typename decltype(out)::type;
-    multi_tensor_apply<2>(tasks, AxpbyOp<X, Y>{fa, fb, flag}, stream);
+    // The Python scalars are rounded to opmath once, on the host, as ATen's
+    // kernels take them (fp32 for fp32 math).
+    using M = opmath_t<X, Y>;
+    multi_tensor_apply<2>(tasks, AxpbyOp<X, Y>{static_cast<M>(a), static_cast<M>(b), flag}, stream);
   });
 }
 

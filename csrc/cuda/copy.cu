@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "multi_tensor_apply.cuh"
+#include "overlap.h"
 #include "tensor_lists.cuh"
 
 namespace amp_patch::cuda {
@@ -29,6 +30,7 @@ void multi_tensor_copy_cuda(at::TensorList src, at::TensorList dst) {
   const at::Device device = src[0].device();
   check_list(op, "src", src, device, "src[0]");
   check_list(op, "dst", dst, device, "src[0]");
+  check_no_overlap(op, "dst", dst, "src", src);
   const c10::cuda::CUDAGuard guard(device);
 
   Plan<2> plan;

@@ -127,13 +127,54 @@ __device__ __forceinline__ c10::BFloat16 from_float<c10::BFloat16>(float x) {
   return c10::BFloat16(__bfloat16_as_ushort(__float2bfloat16_rn(x)), c10::BFloat16::from_bits());
 }
 
+// The precision an op computes in: fp32, or fp64 when either side is fp64.
+template <typename A, typename B>
+using opmath_t =
+    std::conditional_t<std::is_same_v<A, double> || std::is_same_v<B, double>, double, float>;
+
+template <typename M, typename T>
+__device__ __forceinline__ M to_opmath(T x) {
+  if constexpr (std::is_same_v<T, double>) {
+    return x;
+  } else {
+    return static_cast<M>(to_float(x));
+  }
+}
+
+// fp64 narrows through float, rounding twice, as torch's casts from double to
+// Half and BFloat16 do (their constructors take a float).
+template <typename Out, typename M>
+__device__ __forceinline__ Out from_opmath(M v) {
+  if constexpr (std::is_same_v<Out, double>) {
+    return v;
+  } else if constexpr (std::is_same_v<M, double>) {
+    return from_float<Out>(__double2float_rn(v));
+  } else {
+    return from_float<Out>(v);
+  }
+}
+
+// Products and sums rounded one by one (never contracted into an FMA).
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  return __fmul_rn(a, b);
+}
+__device__ __forceinline__ double mul_rn(double a, double b) {
+  return __dmul_rn(a, b);
+}
+__device__ __forceinline__ float add_rn(float a, float b) {
+  return __fadd_rn(a, b);
+}
+__device__ __forceinline__ double add_rn(double a, double b) {
+  return __dadd_rn(a, b);
+}
+
 // Same-dtype copies move bits untouched (NaN payloads included), like copy_.
 template <typename To, typename From>
 __device__ __forceinline__ To cast_to(From x) {
   if constexpr (std::is_same_v<To, From>) {
     return x;
   } else {
-    return from_float<To>(to_float(x));
+    return from_opmath<To>(to_opmath<opmath_t<To, From>>(x));
   }
 }
 
@@ -141,6 +182,10 @@ __device__ __forceinline__ To cast_to(From x) {
 // style assumptions that NaN and inf never occur.
 __device__ __forceinline__ bool is_nonfinite(float x) {
   return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+__device__ __forceinline__ bool is_nonfinite(double x) {
+  return (static_cast<unsigned long long>(__double_as_longlong(x)) & 0x7ff0000000000000ull) ==
+      0x7ff0000000000000ull;
 }
 
 template <typename T, int N>
@@ -211,14 +256,20 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 // bf16/fp16 or 4 fp32); the wider side then moves 32 bytes as two 16-byte
 // accesses. About 64 bytes are loaded per thread before the first use (at
 // least two accesses), which keeps enough requests in flight for HBM3 even
-// when register use limits occupancy.
+// when register use limits occupancy. An fp64 side instead gets the 16-byte
+// access (2 elements), so that the other side's vector does not take 64 bytes
+// of registers.
 template <Access A, typename In, typename Out, typename F>
 __device__ __forceinline__ void for_each_element(const In* in, Out* out, int n, F&& f) {
   constexpr int kNarrow = sizeof(In) < sizeof(Out) ? sizeof(In) : sizeof(Out);
-  constexpr int N = 16 / kNarrow;
+  constexpr int kWide = sizeof(In) < sizeof(Out) ? sizeof(Out) : sizeof(In);
+  constexpr int N = 16 / (kWide == 8 ? kWide : kNarrow);
   constexpr int kLoadBytes =
       N * static_cast<int>(sizeof(In) + (A == Access::kReadWrite ? sizeof(Out) : 0));
-  constexpr int U = 64 / kLoadBytes > 2 ? 64 / kLoadBytes : 2;
+  constexpr int kU = 64 / kLoadBytes > 2 ? 64 / kLoadBytes : 2;
+  // With an fp64 side each access holds 2 elements, so the 64-byte rule would
+  // keep up to 16 of them (and their fp64 results) live: 4 are enough.
+  constexpr int U = kWide == 8 && kU > 4 ? 4 : kU;
   const bool vectorised =
       detail::aligned16(in) && (A == Access::kRead || detail::aligned16(out));
   if (vectorised) {

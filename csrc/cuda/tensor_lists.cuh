@@ -27,6 +27,8 @@ inline int dtype_index(at::ScalarType t) {
       return 1;
     case at::kBFloat16:
       return 2;
+    case at::kDouble:
+      return 3;
     default:
       return -1;
   }
@@ -43,6 +45,9 @@ void visit_dtype(at::ScalarType t, F&& f) {
       break;
     case at::kBFloat16:
       f(TypeTag<c10::BFloat16>{});
+      break;
+    case at::kDouble:
+      f(TypeTag<double>{});
       break;
     default:
       TORCH_INTERNAL_ASSERT(false, "unchecked dtype ", t);
@@ -65,7 +70,7 @@ inline void check_list(
     TORCH_CHECK(
         dtype_index(t.scalar_type()) >= 0,
         "amp_patch::", op, ": ", name, "[", i, "] has dtype ", t.scalar_type(),
-        "; the CUDA kernel takes float32, float16 and bfloat16");
+        "; the CUDA kernel takes float32, float16, bfloat16 and float64");
   }
 }
 
@@ -92,10 +97,14 @@ inline void check_found_inf(const char* op, const at::Tensor& found_inf) {
       " with ", found_inf.numel(), " elements");
 }
 
-inline void check_inv_scale(const char* op, const at::Tensor& inv_scale, const at::Device& device) {
+inline void check_inv_scale(
+    const char* op,
+    const at::Tensor& inv_scale,
+    const at::Device& device,
+    const char* device_source = "found_inf") {
   TORCH_CHECK(
       inv_scale.device() == device, "amp_patch::", op, ": inv_scale is on ", inv_scale.device(),
-      " but found_inf is on ", device);
+      " but ", device_source, " is on ", device);
   TORCH_CHECK(
       inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat, "amp_patch::", op,
       ": inv_scale must be a one-element float32 tensor, got ", inv_scale.scalar_type(),
@@ -158,11 +167,11 @@ class Plan {
       if (groups_[g].empty()) {
         continue;
       }
-      visit_dtype(kDtypes[g / 3], [&](auto in) {
+      visit_dtype(kDtypes[g / kNumDtypes], [&](auto in) {
         if constexpr (Depth == 1) {
           launch(in, in, groups_[g]);
         } else {
-          visit_dtype(kDtypes[g % 3], [&](auto out) { launch(in, out, groups_[g]); });
+          visit_dtype(kDtypes[g % kNumDtypes], [&](auto out) { launch(in, out, groups_[g]); });
         }
       });
     }
@@ -172,10 +181,14 @@ class Plan {
   }
 
  private:
-  static constexpr at::ScalarType kDtypes[3] = {at::kFloat, at::kHalf, at::kBFloat16};
+  static constexpr int kNumDtypes = 4;
+  // In dtype_index order.
+  static constexpr at::ScalarType kDtypes[kNumDtypes] = {
+      at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
 
   void push(const at::Tensor& in, const at::Tensor& out, Task<Depth> task) {
-    groups_[dtype_index(in.scalar_type()) * 3 + dtype_index(out.scalar_type())].push_back(task);
+    groups_[dtype_index(in.scalar_type()) * kNumDtypes + dtype_index(out.scalar_type())]
+        .push_back(task);
   }
 
   // Stand-ins live until run() has launched on them; freeing them afterwards
@@ -188,7 +201,7 @@ class Plan {
     }
   }
 
-  std::array<std::vector<Task<Depth>>, 9> groups_;
+  std::array<std::vector<Task<Depth>>, kNumDtypes * kNumDtypes> groups_;
   std::vector<at::Tensor> keep_alive_;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };

@@ -1,5 +1,6 @@
 // multi_tensor_unscale_ and multi_tensor_unscale_copy_: out = float(in) * inv_scale,
-// with found_inf set when an input element is inf or NaN.
+// with found_inf set when an input element is inf or NaN; and the loss-scale
+// step that reads that flag, update_scale_hysteresis.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,6 +9,8 @@
 #include <vector>
 
 #include "multi_tensor_apply.cuh"
+#include "overlap.h"
+#include "scale_update.h"
 #include "tensor_lists.cuh"
 
 namespace amp_patch::cuda {
@@ -20,13 +23,14 @@ struct UnscaleOp {
   float* found_inf;
 
   __device__ void operator()(const Chunk<Depth>& c) const {
-    const float s = *inv_scale;
+    using M = opmath_t<In, Out>;
+    const M s = static_cast<M>(*inv_scale);
     bool nonfinite = false;
-    // __fmul_rn: one product rounded to fp32, as the reference's `t.float() * inv_scale`.
+    // One product rounded to opmath, as the reference's `t.to(opmath) * inv_scale`.
     for_each_element<Access::kWrite>(c.template in<In>(), c.template out<Out>(), c.n, [&](In x) {
-      const float v = to_float(x);
+      const M v = to_opmath<M>(x);
       nonfinite |= is_nonfinite(v);
-      return from_float<Out>(__fmul_rn(v, s));
+      return from_opmath<Out>(mul_rn(v, s));
     });
     if (nonfinite) {
       *found_inf = 1.0f;  // racing writers all store the same value
@@ -52,6 +56,7 @@ void multi_tensor_unscale_cuda(
   check_found_inf(op, found_inf);
   check_inv_scale(op, inv_scale, found_inf.device());
   check_list(op, "tensors", tensors, found_inf.device(), "found_inf");
+  check_no_overlap(op, "tensors", tensors);
   const c10::cuda::CUDAGuard guard(found_inf.device());
 
   Plan<1> plan;
@@ -72,6 +77,7 @@ void multi_tensor_unscale_copy_cuda(
   check_inv_scale(op, inv_scale, found_inf.device());
   check_list(op, "src", src, found_inf.device(), "found_inf");
   check_list(op, "dst", dst, found_inf.device(), "found_inf");
+  check_no_overlap(op, "dst", dst, "src", src);
   const c10::cuda::CUDAGuard guard(found_inf.device());
 
   Plan<2> plan;
@@ -81,10 +87,38 @@ void multi_tensor_unscale_copy_cuda(
   launch_unscale(plan, found_inf, inv_scale);
 }
 
+// One thread runs the step shared with the CPU kernel (scale_update.h), on
+// the device, so that the scale is never read back to the host.
+__global__ void update_scale_hysteresis_kernel(ScaleState state, HysteresisConfig config) {
+  update_scale_hysteresis_step(state, config);
+}
+
+void update_scale_hysteresis_cuda(
+    const at::Tensor& current_scale,
+    const at::Tensor& growth_tracker,
+    const at::Tensor& hysteresis_tracker,
+    const at::Tensor& found_inf,
+    double growth_factor,
+    double backoff_factor,
+    int64_t growth_interval,
+    int64_t hysteresis) {
+  constexpr const char* op = "update_scale_hysteresis";
+  TORCH_CHECK(
+      current_scale.is_cuda(), "amp_patch::", op, ": current_scale must be a CUDA tensor, got ",
+      current_scale.device());
+  const ScaleState state =
+      scale_state(op, current_scale, growth_tracker, hysteresis_tracker, found_inf);
+  const c10::cuda::CUDAGuard guard(current_scale.device());
+  const HysteresisConfig config{growth_factor, backoff_factor, growth_interval, hysteresis};
+  update_scale_hysteresis_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(state, config);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace amp_patch::cuda
 
 TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
   m.impl("multi_tensor_unscale_", &amp_patch::cuda::multi_tensor_unscale_cuda);
   m.impl("multi_tensor_unscale_copy_", &amp_patch::cuda::multi_tensor_unscale_copy_cuda);
+  m.impl("update_scale_hysteresis", &amp_patch::cuda::update_scale_hysteresis_cuda);
 }

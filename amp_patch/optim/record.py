@@ -1,0 +1,260 @@
+"""What amp did to one optimizer, and what ``scale_loss`` does with its grads."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import Tensor
+
+from amp_patch.optim.checkpoints import install_optimizer_hooks
+from amp_patch.optim.masters import MasterWeights, match_state_to_params
+from amp_patch.optim.stepping import PatchedMethods
+
+__all__ = ["OptimizerRecord", "process"]
+
+
+class OptimizerRecord:
+    """What amp did to one optimizer, and the per-iteration flags that drive it.
+
+    Made by :func:`process`; the session keeps one per optimizer passed to
+    :func:`amp_patch.initialize`.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the optimizer.
+        master_weights (bool): step half params through fp32 masters.
+        step_context (callable, optional): returns the context manager that
+            ``step()`` runs in. Default: none.
+
+    Attributes:
+        master_weights (bool): whether half params are stepped through fp32 masters.
+        masters (MasterWeights): the masters (empty without master weights).
+        skip_next_step (bool): set by :func:`amp_patch.scale_loss` on overflow;
+            the next ``step()`` does nothing and clears it.
+        scaled_grads_pending (bool): a ``delay_unscale=True`` exit left scaled
+            grads in the params; the next ``scale_loss`` must not stash them.
+        active (bool): False once :meth:`restore` ran; a wrapper that stayed
+            on the optimizer then passes calls straight through.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool,
+                 step_context: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        # The optimizer is held weakly: an LR scheduler made after initialize keeps our
+        # (then inactive) step wrapper, and with it this record, after deinitialize.
+        self._optimizer_ref = weakref.ref(optimizer)
+        self.master_weights = bool(master_weights)
+        self.masters = MasterWeights()
+        self.skip_next_step = False
+        self.scaled_grads_pending = False
+        self.active = True
+        # Unscaled grads taken out of params stepped directly at scale_loss entry (id -> grad).
+        self._prior: dict[int, Tensor] = {}
+        self._methods = PatchedMethods(self, step_context)
+        self._hook_handles: list[Any] = []
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer (held weakly)."""
+        opt = self._optimizer_ref()
+        if opt is None:
+            raise RuntimeError("the optimizer of this amp record was garbage collected")
+        return opt
+
+    def optimizer_or_none(self) -> torch.optim.Optimizer | None:
+        """The optimizer, or None once it was garbage collected."""
+        return self._optimizer_ref()
+
+    # ----------------------------------------------------------------- params
+
+    def stepped_params(self) -> Iterator[Tensor]:
+        """The tensors the optimizer steps: fp32 masters for half params, else the params."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def model_param(self, stepped: Tensor) -> Tensor:
+        """The model parameter behind a stepped tensor (itself when it has no master)."""
+        return self.masters.model_param(stepped)
+
+    def master_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """``(model param, fp32 master)`` for each master, in ``param_groups`` order."""
+        return self.masters.pairs(self.stepped_params())
+
+    def sync_masters_from_model(self) -> None:
+        """Refresh masters whose half param was written from outside (see :meth:`MasterWeights.sync_from_model`)."""
+        self.masters.sync_from_model(self.stepped_params())
+
+    def _pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """(model param, stepped tensor) for everything the optimizer steps."""
+        return [(self.masters.model_param(p), p) for p in self.stepped_params()]
+
+    # ------------------------------------------------------- scale_loss hooks
+
+    def prepare_backward(self) -> None:
+        """At ``scale_loss`` entry: take already-unscaled grads aside so backward starts clean.
+
+        Without this, a second loss (or an accumulation step) would add scaled
+        grads onto unscaled ones. Params without masters hand their grad to a
+        stash; half params with masters drop their (already consumed) model
+        grad, the master grad staying as the accumulator. Skipped while
+        ``delay_unscale`` has left scaled grads in place.
+        """
+        if self.scaled_grads_pending:
+            return
+        for model_p, stepped in self._pairs():
+            if model_p is stepped:
+                if stepped.grad is not None:
+                    self._prior[id(stepped)] = stepped.grad
+                    stepped.grad = None
+            else:
+                model_p.grad = None
+
+    def collect_unscale(self, in_place: list, copy: tuple[list, list],
+                        accumulate: tuple[list, list]) -> None:
+        """At ``scale_loss`` exit: sort each fresh grad into the fused pass that unscales it.
+
+        ``in_place`` (no master, nothing stashed), ``copy`` (half grad into the
+        master's fp32 grad storage, see :meth:`MasterWeights.grad_storage`) or
+        ``accumulate`` (``y = x / scale + y`` into the stashed grad or the
+        existing master grad).
+        """
+        prior = self._prior
+        for model_p, stepped in self._pairs():
+            grad = model_p.grad
+            if model_p is stepped:
+                old = prior.pop(id(stepped), None)
+                if grad is None:
+                    if old is not None:
+                        stepped.grad = old
+                elif old is None:
+                    in_place.append(grad)
+                else:
+                    accumulate[0].append(grad)
+                    accumulate[1].append(old)
+                    stepped.grad = old
+            elif grad is not None:
+                if stepped.grad is None:
+                    stepped.grad = self.masters.grad_storage(stepped)
+                    copy[0].append(grad)
+                    copy[1].append(stepped.grad)
+                else:
+                    accumulate[0].append(grad)
+                    accumulate[1].append(stepped.grad)
+        prior.clear()
+        self.scaled_grads_pending = False
+
+    def abandon_backward(self) -> None:
+        """An exception left ``scale_loss`` after :meth:`prepare_backward`: drop the partial,
+        still scaled grads and put the stashed unscaled ones back (None where there were none),
+        so that the next iteration never mistakes scaled grads for unscaled ones."""
+        for model_p, stepped in self._pairs():
+            old = self._prior.pop(id(stepped), None)
+            if model_p is stepped:
+                stepped.grad = old
+            else:
+                model_p.grad = None
+        self._prior.clear()
+
+    def forget_stashed_grads(self) -> None:
+        """Drop the grads :meth:`prepare_backward` took aside (``zero_grad`` inside the block)."""
+        self._prior.clear()
+
+    def nonfinite_grad_names(self, names: dict[int, str]) -> list[str]:
+        """Names of params whose (model) grads hold inf/NaN; syncs, for error messages only."""
+        out = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, stepped in enumerate(group["params"]):
+                model_p = self.masters.model_param(stepped)
+                grad = model_p.grad if model_p.grad is not None else stepped.grad
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    out.append(names.get(id(model_p), f"param_groups[{gi}]['params'][{pi}]"))
+        return out
+
+    # ------------------------------------------------------------ install/undo
+
+    def install(self) -> None:
+        """Make the masters, register the checkpoint hooks, and patch the methods."""
+        opt = self.optimizer
+        if self.master_weights:
+            for group in opt.param_groups:
+                self.masters.attach(group, opt.state)
+            self._hook_handles += install_optimizer_hooks(opt, self.masters,
+                                                          self.sync_masters_from_model)
+        # State made before a cast (or by an earlier session) follows its param's dtype.
+        match_state_to_params(opt, (p for p in self.stepped_params()
+                                    if not self.masters.is_master(p)))
+        self._methods.install()
+
+    def restore(self) -> None:
+        """Undo :meth:`install`: original methods back, hooks removed, model params back in ``param_groups``.
+
+        The optimizer state of each master moves to its model parameter, cast
+        to that parameter's dtype except ``step`` counters. Values are not
+        changed: after every step the model already equals its masters.
+        """
+        self._uninstall()
+        opt = self._optimizer_ref()
+        if opt is not None and len(self.masters):
+            self.masters.detach(opt)
+
+    def abort(self, groups: list[list[Tensor]], state: dict) -> None:
+        """Undo a :meth:`install` of a failed initialize: as :meth:`restore`, but the param
+        lists and the state entries go back to the very objects of before (see :func:`process`)."""
+        self._uninstall()
+        opt = self._optimizer_ref()
+        if opt is None:
+            return
+        for group, params in zip(opt.param_groups, groups):
+            for p in group["params"]:
+                if self.masters.is_master(p):
+                    opt.state.pop(p, None)
+            group["params"][:] = params
+        opt.state.update(state)
+        self.masters.detach(opt)
+
+    def _uninstall(self) -> None:
+        self.active = False
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._methods.restore()
+        self._prior.clear()
+
+
+def process(optimizer: torch.optim.Optimizer, master_weights: bool,
+            on_close: Callable[..., None],
+            step_context: Callable[[], ContextManager] = contextlib.nullcontext) -> OptimizerRecord:
+    """Make ``optimizer`` an amp optimizer.
+
+    Creates the fp32 masters when ``master_weights`` is set and wraps
+    ``step``, ``zero_grad`` and ``add_param_group``. Registers the undo
+    (:meth:`OptimizerRecord.restore`, or :meth:`OptimizerRecord.abort` when
+    initialize fails) with ``on_close`` first, so that it runs even when
+    installing fails half-way.
+
+    Args:
+        optimizer (torch.optim.Optimizer): built over the (already cast) model's params.
+        master_weights (bool): keep fp32 masters of the half params.
+        on_close (callable): ``on_close(what, undo, abort=...)`` registers an undo with
+            the session.
+        step_context (callable, optional): returns the context manager that
+            ``step()`` runs in. Default: none.
+
+    Returns:
+        OptimizerRecord: the record, for the session to keep.
+
+    Example::
+
+        >>> record = process(optimizer, True, session.on_close, amp.disable_casts)
+        >>> all(p.dtype == torch.float32 for p in record.stepped_params())
+        True
+    """
+    record = OptimizerRecord(optimizer, master_weights, step_context)
+    # What a failed initialize puts back: the param lists and state entries themselves.
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    state = {p: optimizer.state[p] for params in groups for p in params if p in optimizer.state}
+    on_close(f"{type(optimizer).__name__} methods and masters", record.restore,
+             abort=lambda: record.abort(groups, state))
+    record.install()
+    return record

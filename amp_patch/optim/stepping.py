@@ -1,0 +1,224 @@
+"""The patched optimizer methods: ``step`` (and skipping it), ``zero_grad`` and ``add_param_group``.
+
+The methods are wrapped on the instance as
+``types.MethodType(wrapt.FunctionWrapper(func, wrapper), opt)``. An
+``lr_scheduler`` reads ``opt.step.__func__`` and binds it again, which still
+reaches the wrapper, so a scheduler made after initialize works; one made
+before has already put its own function on the instance, and that function is
+wrapped in turn, keeping the scheduler's bookkeeping. Once the record is
+inactive (after deinitialize) a wrapper that could not be removed, because a
+scheduler wrapped it in turn, passes calls straight through.
+
+A step is skipped by not calling the optimizer's ``step`` at all. Nothing the
+optimizer owns is touched: parameters, masters, and every state tensor,
+including Adam's ``state["step"]`` counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
+
+import torch
+import wrapt
+from torch import Tensor
+
+from amp_patch.apex_compat.larc import LARC
+
+if TYPE_CHECKING:
+    from amp_patch.optim.record import OptimizerRecord
+
+__all__ = ["PatchedMethods", "ATTACH_MASTERS"]
+
+logger = logging.getLogger("amp_patch")
+
+#: Name of the optional optimizer method that takes the ``(model param, master)`` pairs
+#: and returns True when its ``step()`` writes the model params itself (a fused O2 step).
+ATTACH_MASTERS = "amp_attach_masters"
+
+_MISSING = object()
+_POSITIONS = {"closure": 0, "set_to_none": 0, "param_group": 0}
+
+
+class PatchedMethods:
+    """amp's ``step``, ``zero_grad`` and ``add_param_group`` on one optimizer instance.
+
+    Args:
+        record (OptimizerRecord): the record whose flags and masters the methods use.
+        step_context (callable): returns the context manager ``step()`` runs in
+            (O1's casts are disabled there).
+
+    .. note::
+        An optimizer that steps the masters and writes the model in one pass
+        defines ``amp_attach_masters(pairs) -> bool``. It is called with the
+        ``(model param, master)`` pairs whenever they change (initialize,
+        ``add_param_group``) and with ``[]`` at deinitialize; when it returns
+        True, amp leaves the master-to-model copy to that optimizer's ``step()``.
+        The masters' ``.grad`` hold the unscaled fp32 grads when ``step()`` runs.
+    """
+
+    def __init__(self, record: "OptimizerRecord", step_context: Callable[[], ContextManager]) -> None:
+        self._record = record
+        self._step_context = step_context
+        self._saved: dict[str, Any] = {}
+        self._optimizer_writes_model = False
+
+    # ------------------------------------------------------------ installing
+
+    def install(self) -> None:
+        """Wrap ``step``, ``zero_grad`` and ``add_param_group`` on the instance."""
+        self._patch("step", self._step)
+        self._patch("zero_grad", self._zero_grad)
+        self._patch("add_param_group", self._add_param_group)
+        self.attach_masters()
+
+    def restore(self) -> None:
+        """Put the original methods back, last in first out; tell a fused optimizer the masters left."""
+        opt = self._record.optimizer_or_none()
+        if opt is None:
+            return
+        attach = getattr(opt, ATTACH_MASTERS, None)
+        if attach is not None and self._optimizer_writes_model:
+            attach([])
+        for name in ("add_param_group", "zero_grad", "step"):
+            self._unpatch(opt, name)
+
+    def attach_masters(self) -> None:
+        """Hand the current ``(model param, master)`` pairs to an optimizer that takes them."""
+        record = self._record
+        attach = getattr(record.optimizer, ATTACH_MASTERS, None)
+        if attach is not None and len(record.masters):
+            self._optimizer_writes_model = bool(attach(record.master_pairs()))
+
+    def _patch(self, name: str, wrapper: Callable) -> None:
+        opt = self._record.optimizer
+        own = opt.__dict__.get(name, _MISSING)
+        self._saved[name] = own
+        if own is _MISSING:
+            target = getattr(type(opt), name)
+        else:
+            # Already replaced on the instance (an lr_scheduler made before
+            # initialize). That callable takes no self; adapt it, and copy its
+            # attributes (the scheduler's marker) so they stay visible.
+            target = _drop_self(own)
+        record = self._record
+        proxy = wrapt.FunctionWrapper(target, wrapper, enabled=lambda: record.active)
+        setattr(opt, name, types.MethodType(proxy, opt))
+
+    def _unpatch(self, opt: torch.optim.Optimizer, name: str) -> None:
+        if name not in self._saved:  # never patched (install failed before it)
+            return
+        now = opt.__dict__.get(name, _MISSING)
+        if not (isinstance(now, types.MethodType) and isinstance(now.__func__, wrapt.FunctionWrapper)
+                and now.__self__ is opt):
+            # Something (a scheduler made after initialize) wrapped ours; it
+            # stays, and our wrapper passes calls straight through (inactive record).
+            return
+        saved = self._saved.pop(name)
+        if saved is _MISSING:
+            delattr(opt, name)
+        else:
+            setattr(opt, name, saved)
+
+    # ------------------------------------------------------------- the methods
+
+    def _step(self, wrapped, instance, args, kwargs):
+        record = self._record
+        opt = record.optimizer
+        masters = record.masters
+        masters.sync_from_model(record.stepped_params())
+        if record.skip_next_step:
+            # Not calling the optimizer at all is what keeps its state (Adam's
+            # step counters included) exactly as it was.
+            record.skip_next_step = False
+            logger.debug("amp_patch: skipped %s.step() after a gradient overflow",
+                         type(opt).__name__)
+            # A skipped step is still the optimizer's step for an LR scheduler: the flag its
+            # wrapper would set, so no "lr_scheduler.step() before optimizer.step()" warning.
+            # (A scheduler sits on the optimizer a LARC wraps, so that one gets it too.)
+            opt._opt_called = True
+            if isinstance(opt, LARC):
+                opt.optim._opt_called = True
+            masters.release_grads()
+            return None
+        if record.master_weights and _call_arg(instance, args, kwargs, "closure") is not None:
+            raise RuntimeError(
+                "optimizer.step(closure) is not supported with master weights: the closure's "
+                "backward would not reach the fp32 masters. Call scale_loss and step() directly."
+            )
+        with self._step_context():
+            out = wrapped(*args, **kwargs)
+        if len(masters):
+            stepped = list(record.stepped_params())
+            if self._optimizer_writes_model:
+                masters.mark_written(m for m, _ in masters.pairs(stepped))
+            else:
+                masters.copy_to_model(stepped)
+            masters.release_grads()
+        return out
+
+    def _zero_grad(self, wrapped, instance, args, kwargs):
+        record = self._record
+        out = wrapped(*args, **kwargs)
+        set_to_none = _call_arg(instance, args, kwargs, "set_to_none", default=True)
+        # Master grads are amp's, not the caller's: released whichever way, as in Apex.
+        record.masters.release_grads()
+        for model_p, _ in record.master_pairs():
+            if model_p.grad is None:
+                continue
+            if set_to_none:
+                model_p.grad = None
+            else:
+                if model_p.grad.grad_fn is not None:
+                    model_p.grad.detach_()
+                else:
+                    model_p.grad.requires_grad_(False)
+                model_p.grad.zero_()
+        record.forget_stashed_grads()
+        return out
+
+    def _add_param_group(self, wrapped, instance, args, kwargs):
+        record = self._record
+        group = _call_arg(instance, args, kwargs, "param_group")
+        params = group.get("params", ()) if isinstance(group, dict) else ()
+        params = [params] if isinstance(params, Tensor) else list(params)
+        if any(record.masters.master_for(p) is not None for p in params):
+            # torch's own duplicate check compares with param_groups, which hold the masters.
+            raise ValueError("some parameters appear in more than one parameter group")
+        if isinstance(group, dict):
+            group = dict(group, params=params)  # a generator may be read only once
+            if "param_group" in kwargs:
+                kwargs = dict(kwargs, param_group=group)
+            else:
+                args = args[:len(args) - 1] + (group,)
+        out = wrapped(*args, **kwargs)
+        if record.master_weights:
+            opt = record.optimizer
+            record.masters.attach(opt.param_groups[-1], opt.state)
+            self.attach_masters()
+        return out
+
+
+def _drop_self(bound_or_function: Callable) -> Callable:
+    def adapter(self, *args, **kwargs):
+        return bound_or_function(*args, **kwargs)
+
+    adapter.__dict__.update(getattr(bound_or_function, "__dict__", {}))
+    adapter.__name__ = getattr(bound_or_function, "__name__", "adapter")
+    adapter.__qualname__ = getattr(bound_or_function, "__qualname__", adapter.__name__)
+    adapter.__doc__ = getattr(bound_or_function, "__doc__", None)
+    return adapter
+
+
+def _call_arg(instance, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    """An argument of ``step``/``zero_grad``/``add_param_group``, however the wrapper was reached.
+
+    Called through the instance's MethodType, ``args`` starts with the
+    optimizer (``instance`` is None); bound again by a scheduler, it does not.
+    """
+    if name in kwargs:
+        return kwargs[name]
+    positional = args if instance is not None else args[1:]
+    pos = _POSITIONS[name]
+    return positional[pos] if len(positional) > pos else default

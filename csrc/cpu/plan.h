@@ -1,0 +1,257 @@
+// The host side of the CPU kernels: argument checks, the element types, and
+// Plan, which turns tensor lists into flat runs of memory (Job), cuts their
+// concatenation into equal tasks and runs them in parallel. Shared by every
+// CPU op file (multi_tensor_ops.cpp; optimizer kernels may use it too).
+//
+// Tensors whose elements are not one dense run take a slow path: a contiguous
+// copy, and for outputs a copy back afterwards (Plan::finish).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "cpu/kernel_table.h"
+
+// With torch's OpenMP backend, at::parallel_for (Plan::run) is compiled into
+// each file that includes this header; built without -fopenmp it quietly runs
+// serially (setup.py passes the flag on Linux).
+#if AT_PARALLEL_OPENMP && defined(__linux__) && !defined(_OPENMP)
+#error "amp_patch's CPU kernels must be compiled with -fopenmp, or they run on one thread"
+#endif
+
+namespace amp_patch::cpu {
+
+// Elements per parallel task: large enough to amortise the per-task overhead,
+// small enough that a few hundred small tensors still spread over all threads.
+constexpr int64_t kTaskElems = 32768;
+
+inline int64_t dt_size(Dt dt) {
+  switch (dt) {
+    case kF64:
+      return 8;
+    case kF32:
+      return 4;
+    default:
+      return 2;
+  }
+}
+
+inline Dt dt_of(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return kF32;
+    case at::kHalf:
+      return kF16;
+    case at::kBFloat16:
+      return kBF16;
+    case at::kDouble:
+      return kF64;
+    default:
+      TORCH_CHECK(false, "amp_patch::", op, ": unsupported dtype ", t.scalar_type(),
+                  " (the multi-tensor kernels take float32, float16, bfloat16 and float64)");
+  }
+}
+
+inline void check_cpu(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "amp_patch::", op, ": ", what, " is on ", t.device(),
+              "; the CPU kernel needs every tensor on the CPU");
+}
+
+inline float* flag_ptr(const at::Tensor& found_inf, const char* op) {
+  check_cpu(found_inf, op, "found_inf");
+  TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1, "amp_patch::", op,
+              ": found_inf must be a one-element float32 tensor, got ", found_inf.scalar_type(),
+              " with ", found_inf.numel(), " elements");
+  return found_inf.mutable_data_ptr<float>();
+}
+
+inline float read_scalar(const at::Tensor& t, const char* op, const char* what) {
+  check_cpu(t, op, what);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "amp_patch::", op, ": ", what,
+              " must be a one-element float32 tensor, got ", t.scalar_type(), " with ", t.numel(),
+              " elements");
+  return *t.const_data_ptr<float>();
+}
+
+// One tensor (or src/dst pair) of a call, as flat memory.
+struct Job {
+  const void* in = nullptr;
+  void* out = nullptr;
+  Dt in_dt = kF32;
+  Dt out_dt = kF32;
+  int64_t numel = 0;
+};
+
+// A piece of one job: elements [begin, end) of jobs[job].
+struct Span {
+  int64_t job;
+  int64_t begin;
+  int64_t end;
+};
+
+inline const void* offset(const void* p, Dt dt, int64_t i) {
+  return static_cast<const char*>(p) + i * dt_size(dt);
+}
+
+inline void* offset(void* p, Dt dt, int64_t i) {
+  return static_cast<char*>(p) + i * dt_size(dt);
+}
+
+// The work of one call: its jobs, the temporaries they point into, and the
+// spans grouped into tasks of kTaskElems elements taken across all jobs, so
+// that 200 small tensors and one huge tensor parallelise alike.
+class Plan {
+ public:
+  // dst may be absent (read-only ops) or the same list as src (in-place ops).
+  Plan(const char* op, at::TensorList src, std::optional<at::TensorList> dst, bool in_place) {
+    if (dst) {
+      TORCH_CHECK(src.size() == dst->size(), "amp_patch::", op, ": list lengths differ (",
+                  src.size(), " vs ", dst->size(), ")");
+    }
+    jobs_.resize(src.size());
+    for (size_t i = 0; i < src.size(); ++i) {
+      add_job(op, i, src[i], dst && !in_place ? &(*dst)[i] : nullptr, dst.has_value());
+    }
+    cut_tasks();
+  }
+
+  const std::vector<Job>& jobs() const { return jobs_; }
+  const std::vector<Span>& spans() const { return spans_; }
+
+  // Runs f(span_index, span) -> bool over every span, in parallel across tasks.
+  // Returns true when any call returned true (saw a non-finite input).
+  //
+  // Threads take tasks from a shared counter rather than a fixed split: on a
+  // shared machine one thread is often descheduled for a while, and with a
+  // static split the others would wait for its half at the barrier.
+  template <typename F>
+  bool run(const F& f) const {
+    const int64_t ntasks = static_cast<int64_t>(task_begin_.size()) - 1;
+    std::atomic<int64_t> next{0};
+    std::atomic<bool> flagged{false};
+    auto worker = [&](int64_t, int64_t) {
+      bool local = false;
+      for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < ntasks;
+           t = next.fetch_add(1, std::memory_order_relaxed)) {
+        for (int64_t s = task_begin_[t]; s < task_begin_[t + 1]; ++s) {
+          local |= f(s, spans_[s]);
+        }
+      }
+      if (local) {
+        flagged.store(true, std::memory_order_relaxed);
+      }
+    };
+    const int64_t nworkers = std::min<int64_t>(ntasks, at::get_num_threads());
+    if (nworkers <= 1) {
+      worker(0, 1);
+    } else {
+      at::parallel_for(0, nworkers, 1, worker);
+    }
+    return flagged.load(std::memory_order_relaxed);
+  }
+
+  // Copies slow-path outputs back into the caller's tensors.
+  void finish() {
+    for (auto& [target, tmp] : write_back_) {
+      target.copy_(tmp);
+    }
+  }
+
+ private:
+  void add_job(const char* op, size_t i, const at::Tensor& s, const at::Tensor* d, bool writes) {
+    check_cpu(s, op, "an input tensor");
+    Job& job = jobs_[i];
+    job.in_dt = dt_of(s, op);
+    job.out_dt = job.in_dt;
+    job.numel = s.numel();
+    if (d != nullptr) {
+      check_cpu(*d, op, "an output tensor");
+      TORCH_CHECK(s.sizes() == d->sizes(), "amp_patch::", op, ": tensor ", i, " has shape ",
+                  s.sizes(), " in the first list but ", d->sizes(), " in the second");
+      job.out_dt = dt_of(*d, op);
+    }
+    if (job.numel == 0) {
+      return;
+    }
+    if (d == nullptr) {
+      // Read-only, or in place: element order is irrelevant, so any dense layout
+      // (channels-last, transposed) is walked as it lies in memory.
+      const at::Tensor& flat = dense_or_copy(s, writes);
+      job.in = flat.const_data_ptr();
+      job.out = writes ? flat.data_ptr() : nullptr;
+      return;
+    }
+    if (s.is_non_overlapping_and_dense() && d->is_non_overlapping_and_dense() &&
+        s.strides() == d->strides()) {
+      job.in = s.const_data_ptr();
+      job.out = d->data_ptr();
+      return;
+    }
+    // Slow path: the two sides must walk memory in the same element order.
+    if (d->is_non_overlapping_and_dense()) {
+      job.in = keep(s.new_empty_strided(d->sizes(), d->strides()).copy_(s)).const_data_ptr();
+      job.out = d->data_ptr();
+      return;
+    }
+    const at::Tensor& out = keep(d->contiguous());
+    write_back_.emplace_back(*d, out);
+    job.in = keep(s.contiguous()).const_data_ptr();
+    job.out = out.data_ptr();
+  }
+
+  const at::Tensor& dense_or_copy(const at::Tensor& t, bool writes) {
+    if (t.is_non_overlapping_and_dense()) {
+      return t;
+    }
+    const at::Tensor& tmp = keep(t.contiguous());
+    if (writes) {
+      write_back_.emplace_back(t, tmp);
+    }
+    return tmp;
+  }
+
+  const at::Tensor& keep(at::Tensor t) {
+    kept_.push_back(std::move(t));
+    return kept_.back();
+  }
+
+  void cut_tasks() {
+    task_begin_.push_back(0);
+    int64_t room = kTaskElems;
+    for (size_t j = 0; j < jobs_.size(); ++j) {
+      const int64_t n = jobs_[j].numel;
+      for (int64_t off = 0; off < n;) {
+        const int64_t len = std::min(room, n - off);
+        spans_.push_back({static_cast<int64_t>(j), off, off + len});
+        off += len;
+        room -= len;
+        if (room == 0) {
+          task_begin_.push_back(static_cast<int64_t>(spans_.size()));
+          room = kTaskElems;
+        }
+      }
+    }
+    if (task_begin_.back() != static_cast<int64_t>(spans_.size())) {
+      task_begin_.push_back(static_cast<int64_t>(spans_.size()));
+    }
+  }
+
+  std::vector<Job> jobs_;
+  std::vector<Span> spans_;
+  std::vector<int64_t> task_begin_;
+  // A deque, so references to earlier temporaries stay valid as it grows.
+  std::deque<at::Tensor> kept_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
+};
+
+}  // namespace amp_patch::cpu
