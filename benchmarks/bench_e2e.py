@@ -158,7 +158,7 @@ def report(results: dict[str, dict[str, dict]], device: str, half: str, rounds: 
              ""]
     banner = cpu_half_banner(HostFacts.collect(device), half)
     if banner:
-        parts += [f"> {banner}", ""]
+        parts += ["\n".join(f"> {line}" for line in banner.splitlines()), ""]
     if rounds < MIN_ROUNDS:
         parts += [f"> {rounds} round(s): a smoke test, not a measurement (a speed needs "
                   f"{MIN_ROUNDS} rounds at least).", ""]

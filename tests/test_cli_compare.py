@@ -59,6 +59,9 @@ def test_compare_all_levels_json_png_table(tmp_path):
     machine = data["machine"]
     assert machine["cpu_model"] and machine["threads"] >= 1 and machine["cpus"] >= 1
     assert machine["torch"] == data["config"]["torch"] and "mkldnn_bf16" in machine
+    assert set(machine["cpu_half"]) >= {"bf16", "fp16", "host"}
+    assert data["cpu_half_plan"]["half_dtype"] == "bf16"
+    assert data["notes"][0].startswith("CPU half compute:")
     load = data["load"]
     assert len(load["load_before"]) == 3 and len(load["load_after"]) == 3
     assert isinstance(data["warnings"], list)
@@ -110,6 +113,33 @@ def test_compare_user_factory_and_json_plot_paths(tmp_path):
         assert len(r["round_steps_per_s"]) == 2
         assert r["steps_per_s"] is None and r["speedup_vs_O0"] is None
     assert "n/a: a speed needs at least 3 timed rounds, this run had 2" in proc.stdout
+    assert "CPU half compute:" in proc.stdout  # machine.cpu_half_banner, before the run
+
+
+class _Levels(Exception):
+    pass
+
+
+@pytest.mark.parametrize("native, args, autocast", [
+    ("bf16", [], True),
+    ("none", [], False),
+    ("none", ["--levels", "O0", "autocast"], True),
+])
+def test_compare_leaves_autocast_out_without_native_half(native, args, autocast, monkeypatch,
+                                                         capsys):
+    """amp_patch emulates its own levels on such a CPU; torch.autocast it cannot."""
+    monkeypatch.setenv("AMP_PATCH_CPU_HALF_NATIVE", native)
+
+    def stop(job, levels, *rest):
+        raise _Levels(levels)
+
+    monkeypatch.setattr(compare, "run_compare", stop)
+    with pytest.raises(_Levels) as exc:
+        cli_main.main(["compare", "--model", "mlp", "--device", "cpu", *args])
+    assert ("autocast" in exc.value.args[0]) == autocast
+    out = capsys.readouterr().out
+    assert ("torch.autocast is left out" in out) == (not autocast)
+    assert "CPU half compute:" in out
 
 
 def test_compare_failing_level_exits_nonzero_and_shows_error(tmp_path):

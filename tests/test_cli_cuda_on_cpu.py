@@ -269,6 +269,7 @@ def test_cli_says_once_what_it_maps(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "ok True cpu torch.bfloat16" in proc.stdout
     assert proc.stderr.count("the script's CUDA calls run on the CPU") == 1
+    assert proc.stderr.count("CPU half compute: bf16") == 1  # machine.cpu_half_banner
     for what in ("Module.cuda()", "torch.cuda.synchronize()", "record_stream()",
                  "init_process_group"):
         assert what in proc.stderr

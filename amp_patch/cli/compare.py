@@ -464,8 +464,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--half-dtype", choices=sorted(HALF_DTYPES), default=None,
                    help="the half type (default: fp16 on CUDA, bf16 on CPU)")
-    p.add_argument("--levels", nargs="+", type=_level, default=list(LEVELS), metavar="LEVEL",
-                   help=f"levels to run, from {' '.join(LEVELS)} (default: all)")
+    p.add_argument("--levels", nargs="+", type=_level, default=None, metavar="LEVEL",
+                   help=f"levels to run, from {' '.join(LEVELS)} (default: all; autocast is "
+                        "left out on a CPU without native half)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default: 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", type=Path, metavar="PATH",
@@ -563,14 +564,22 @@ def _main(ns: argparse.Namespace) -> int:
     from rich.panel import Panel
 
     job = validate(ns)
-    levels = list(dict.fromkeys(ns.levels))
     console = Console()
     if not console.is_terminal:
         # A log file has no width; 80 columns would crop the table.
         console = Console(width=max(console.width, 132))
-    banner = machine.cpu_half_banner(machine.HostFacts.collect(job["device"]), job["half_dtype"])
-    if banner:
-        console.print(Panel(banner, title="CPU half precision", border_style="yellow"))
+    host = machine.HostFacts.collect(job["device"])
+    notes = [note for note in (machine.cpu_half_banner(host, job["half_dtype"]),) if note]
+    levels = list(dict.fromkeys(ns.levels or LEVELS))
+    if ns.levels is None and machine.autocast_is_slow(host, job["half_dtype"]):
+        # amp_patch emulates half matmuls for its own levels only; torch.autocast would take
+        # many times O0's time here and hold up the whole comparison.
+        levels.remove("autocast")
+        notes.append(f"torch.autocast is left out: this CPU has no native {job['half_dtype']} "
+                     "matmul, and autocast is torch's own, which amp_patch does not emulate, so "
+                     "its steps would take many times O0's. Name it in --levels to run it anyway.")
+    for note in notes:
+        console.print(Panel(note, title="CPU half precision", border_style="yellow"))
 
     started = time.perf_counter()
     comparison = run_compare(job, levels, console, ns.progress_interval)
@@ -596,7 +605,8 @@ def _main(ns: argparse.Namespace) -> int:
                               torch=torch.__version__, threads=comparison.host.threads,
                               elapsed_s=elapsed),
                "machine": comparison.host.as_dict(), "load": comparison.load.as_dict(),
-               "warnings": comparison.warnings, "notes": [banner] if banner else [],
+               "cpu_half_plan": machine.cpu_half_plan(host, job["half_dtype"]),
+               "warnings": comparison.warnings, "notes": notes,
                "levels": {r.level: r.to_json() for r in comparison.results}}
     json_paths = [ns.json] if ns.json else []
     plot_paths = [ns.plot] if ns.plot else []

@@ -21,6 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
+from amp_patch.cli.trainer import HALF_DTYPES
+
 __all__ = [
     "LOAD_AVERAGE_LIMIT",
     "OTHERS_SHARE_LIMIT",
@@ -34,6 +36,8 @@ __all__ = [
     "relative_spread",
     "reliability_warnings",
     "cpu_half_banner",
+    "cpu_half_plan",
+    "autocast_is_slow",
 ]
 
 #: The 1-minute load average per usable CPU before the run above which the machine is busy. (After
@@ -93,6 +97,8 @@ class HostFacts:
         threads (int): torch's intra-op threads in the measuring processes.
         gpu_name (str or None): the CUDA device's name, when the device is one.
         mkldnn_bf16 (bool or None): ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``.
+        cpu_half (dict or None): on a CPU device,
+            :func:`amp_patch.cpu_half_support`'s answer (``.as_dict()``).
         torch (str): torch's version.
         python (str): Python's version.
         platform (str): the OS and machine.
@@ -109,6 +115,7 @@ class HostFacts:
     threads: int
     gpu_name: str | None
     mkldnn_bf16: bool | None
+    cpu_half: dict[str, Any] | None
     torch: str
     python: str
     platform: str
@@ -122,11 +129,15 @@ class HostFacts:
             threads (int, optional): the measuring processes' torch threads.
                 Default: this process's ``torch.get_num_threads()``.
         """
+        from amp_patch import cpu_half_support
+
         device = torch.device(device)
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        half = cpu_half_support().as_dict() if device.type == "cpu" else None
         return cls(device=str(device), cpu_model=cpu_model(), cpus=cpu_count(),
                    threads=threads if threads is not None else torch.get_num_threads(),
-                   gpu_name=gpu, mkldnn_bf16=mkldnn_bf16_supported(), torch=torch.__version__,
+                   gpu_name=gpu, mkldnn_bf16=mkldnn_bf16_supported(), cpu_half=half,
+                   torch=torch.__version__,
                    python=platform.python_version(),
                    platform=f"{platform.system()} {platform.machine()}")
 
@@ -282,29 +293,48 @@ def reliability_warnings(load: LoadMonitor, spreads: dict[str, float | None],
 
 
 def cpu_half_banner(facts: HostFacts, half_dtype: str) -> str | None:
-    """The note on how this host computes in half precision on the CPU, or None if none is due.
+    """The note on how this host computes in half precision on the CPU; None off the CPU.
 
     This is the one place where ``compare``, ``run`` and the benchmarks get
-    that note. It speaks when the device is the CPU and its half matmuls are
-    not native (oneDNN's check), or when the half type is fp16, for which
-    most CPUs have no fast kernels.
+    that note: :func:`amp_patch.cpu_half.banner` for the run's half type and
+    ``cpu_half_compute="auto"`` (what the levels use), which says whether the
+    half matmuls ran natively or emulated, on what host, and why CPU speed
+    ratios do not predict GPU speed.
 
     Args:
         facts (HostFacts): the host.
         half_dtype (str): ``"bf16"`` or ``"fp16"``.
 
     Returns:
-        str or None: the note.
+        str or None: the note, three lines.
     """
     if not facts.device.startswith("cpu"):
         return None
-    if half_dtype == "fp16":
-        return ("fp16 on this CPU: most CPUs have no fast fp16 kernels, and fp16 matmuls can "
-                "be hundreds of times slower than fp32. bf16 is the CPU half type. CPU speed "
-                "ratios do not predict GPU speed.")
-    if facts.mkldnn_bf16 is False:
-        return ("this CPU has no native bf16 matmul (oneDNN reports no bf16 support): O1-O3 "
-                "run their matmuls and convolutions in bf16 on slow paths here, many times "
-                "slower than fp32. CPU speed ratios do not predict GPU speed.")
-    return None
+    from amp_patch import cpu_half
 
+    return cpu_half.banner(HALF_DTYPES[half_dtype], "auto")
+
+
+def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
+    """What ``cpu_half_compute="auto"`` does for the run's half type on this host (JSON-able).
+
+    Returns:
+        dict or None: :meth:`amp_patch.cpu_half.CpuHalfPlan.as_dict`; None off the CPU.
+    """
+    if not facts.device.startswith("cpu"):
+        return None
+    from amp_patch import cpu_half
+
+    return cpu_half.plan("auto", HALF_DTYPES[half_dtype]).as_dict()
+
+
+def autocast_is_slow(facts: HostFacts, half_dtype: str) -> bool:
+    """True when ``torch.autocast`` would run its half matmuls on a slow path here.
+
+    amp_patch emulates half matmuls only for its own levels; ``torch.autocast``
+    is torch's, so on a CPU without native half it runs many times slower
+    than fp32.
+    """
+    if not facts.device.startswith("cpu") or facts.cpu_half is None:
+        return False
+    return not facts.cpu_half[half_dtype]["native"]

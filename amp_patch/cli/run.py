@@ -111,9 +111,7 @@ def run_script(target: str, args: list[str], *, module: bool = False, shadow_ape
             cuda_on_cpu.install()
             logger.info(cuda_on_cpu.summary())
             half = next(k for k, v in HALF_DTYPES.items() if v is cuda_on_cpu.half_dtype)
-            banner = cpu_half_banner(HostFacts.collect("cpu"), half)
-            if banner:
-                logger.warning("amp-patch run --device cpu: %s", banner)
+            logger.info(cpu_half_banner(HostFacts.collect("cpu"), half))
         sys.argv = [target, *args]
         if module:
             sys.path.insert(0, os.getcwd())
