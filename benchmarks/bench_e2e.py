@@ -105,7 +105,7 @@ def measure(workload: str, levels: list[str], device: str, half: str, rounds: in
     records = measure_levels(job, levels, warmup, [steps] * rounds, on_round=report)
     return {lv: {"times": rec.step_seconds,
                  "median_s": median_step_seconds(rec) if rec.ok else None,
-                 "peak_bytes": max(rec.round_peak_bytes) if rec.ok and rec.round_peak_bytes else None,
+                 "peak_bytes": max(rec.round_peak_bytes, default=None) if rec.ok else None,
                  "error": rec.error} for lv, rec in records.items()}
 
 
