@@ -1,6 +1,7 @@
 # amp_patch: the two README commands (demo, test) and their set-up.
 #
-#   make demo            compare O0-O3 and torch.autocast on the built-in model
+#   make demo            compare O0-O3 and torch.autocast on the built-in model (60 steps;
+#                        make demo DEMO_ARGS=--full for the 100 steps of docs/compare.md)
 #   make test            the full pytest suite (slow cases included)
 #   make test-fast       the suite without the cases marked slow
 #   make bench           kernel and end-to-end benchmarks -> docs/benchmarks.md
@@ -13,6 +14,7 @@
 
 SHELL := /bin/bash
 PY ?=
+DEMO_ARGS ?=
 VENV := .venv
 CUDA_VENV := .venv-cuda
 CUDA_HOME ?= /usr/local/cuda
@@ -47,7 +49,7 @@ $(EXT_STAMP): $(ENV_STAMP) $(EXT_SOURCES)
 install: $(EXT_STAMP)
 
 demo: install
-	$(PYTHON) -m amp_patch compare --out out
+	$(PYTHON) -m amp_patch compare --out out $(DEMO_ARGS)
 
 test: install
 	AMP_PATCH_REQUIRE_EXT=1 $(PYTHON) -m pytest -q

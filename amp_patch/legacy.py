@@ -37,7 +37,8 @@ class AmpHandle:
 
 
 def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True,
-         verbose: bool = False, allow_banned: bool = False) -> AmpHandle:
+         verbose: bool = False, allow_banned: bool = False, *,
+         half_dtype: torch.dtype | None = None) -> AmpHandle:
     """Apply O1 function patching alone, as Apex's ``amp.init()`` did.
 
     No model or optimizer is touched. The patches form a session of their
@@ -55,6 +56,8 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
         verbose (bool, optional): log at debug level. Default: False.
         allow_banned (bool, optional): run banned functions (``binary_cross_entropy``)
             in fp32 instead of raising. Default: False.
+        half_dtype (torch.dtype, optional): the half type of the patched
+            functions. Default: fp16 when CUDA is available, else bf16.
 
     Returns:
         AmpHandle: with ``is_active()`` and ``_deactivate()``.
@@ -75,7 +78,7 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     from amp_patch import cpu_half
     from amp_patch.patching import install
 
-    half = torch.float16 if torch.cuda.is_available() else torch.bfloat16
+    half = half_dtype or (torch.float16 if torch.cuda.is_available() else torch.bfloat16)
     props = Properties.from_opt_level("O1", half, loss_scale=loss_scale,
                                       verbosity=2 if verbose else 1)
     _logging.configure(props.verbosity)

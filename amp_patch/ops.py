@@ -24,6 +24,7 @@ may share memory with no other tensor of the call, except that ``dst[i]`` may be
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Sequence
 
@@ -457,3 +458,588 @@ def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hyste
     """
     _ops.update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
                                  growth_factor, backoff_factor, growth_interval, hysteresis)
+
+
+# ---------------------------------------------------------------------------
+# Fused optimizer ops (amp_patch.optimizers). Each takes the lists of one
+# optimizer step, updates params and state in place, and never syncs:
+#
+# - `noop` (optional, one-element float32 or int32: amp_patch's found_inf or
+#   Apex's noop buffer): when non-zero the op writes nothing at all, so a step
+#   whose overflow was found earlier is skipped whole, never half-applied.
+# - `inv_scale` (optional, one-element float32): grads are read as
+#   ``float(grad) * inv_scale``, so half grads of a scaled loss need no
+#   separate unscale pass and are left untouched.
+# - `model_params` (may be empty): after the update each params[i] (an fp32
+#   master) is also written, rounded, into model_params[i] (the half model
+#   param), in the same pass.
+#
+# Arithmetic is fp32 in the order of csrc/cpu/optim_math.h, one rounding per
+# operation; hyper-parameters are rounded to fp32 once and bias corrections are
+# 1 - beta**step in float64 rounded once, as Apex's host code does.
+# ---------------------------------------------------------------------------
+
+_OPTIM_SCHEMAS = {
+    "multi_tensor_adam_": (
+        "multi_tensor_adam_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor? noop, Tensor? inv_scale, "
+        "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
+        "bool adam_w_mode, bool bias_correction) -> ()"
+    ),
+    "multi_tensor_sgd_": (
+        "multi_tensor_sgd_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, "
+        "Tensor(c!)[] model_params, Tensor? noop, Tensor? inv_scale, float lr, float weight_decay, "
+        "float momentum, float dampening, bool nesterov, bool first_run, bool wd_after_momentum) -> ()"
+    ),
+    "multi_tensor_adagrad_": (
+        "multi_tensor_adagrad_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] state_sums, "
+        "Tensor(c!)[] model_params, Tensor? noop, Tensor? inv_scale, float lr, float eps, "
+        "float weight_decay, bool adagrad_w_mode) -> ()"
+    ),
+    "multi_tensor_novograd_": (
+        "multi_tensor_novograd_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
+        "Tensor grad_norms, Tensor(c!)[] model_params, Tensor? noop, Tensor? inv_scale, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, int step, bool bias_correction, "
+        "bool grad_averaging, bool reg_inside_moment) -> ()"
+    ),
+    "multi_tensor_lamb_stage1_": (
+        "multi_tensor_lamb_stage1_(Tensor[] grads, Tensor[] params, Tensor(a!)[] exp_avgs, "
+        "Tensor(b!)[] exp_avg_sqs, Tensor? noop, Tensor? inv_scale, Tensor global_grad_norm, "
+        "float max_grad_norm, float beta1, float beta2, float eps, float weight_decay, int step, "
+        "bool bias_correction, bool grad_averaging, bool adam_w_mode, bool use_nvlamb) "
+        "-> (Tensor param_norms, Tensor update_norms)"
+    ),
+    "multi_tensor_lamb_stage2_": (
+        "multi_tensor_lamb_stage2_(Tensor(a!)[] params, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+        "Tensor param_norms, Tensor update_norms, Tensor(b!)[] model_params, Tensor? noop, float lr, "
+        "float beta1, float beta2, float eps, float weight_decay, int step, bool bias_correction, "
+        "bool adam_w_mode, bool use_nvlamb) -> ()"
+    ),
+}
+for _schema in _OPTIM_SCHEMAS.values():
+    _lib.define(_schema)
+
+__all__ += [
+    "multi_tensor_adam_",
+    "multi_tensor_sgd_",
+    "multi_tensor_adagrad_",
+    "multi_tensor_novograd_",
+    "multi_tensor_lamb_stage1_",
+    "multi_tensor_lamb_stage2_",
+]
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to the nearest float32, as the kernels take their scalars."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _one_minus(x: float) -> float:
+    """``1 - x`` computed in float32 (x already a float32 value)."""
+    return (torch.ones((), dtype=torch.float32) - x).item()
+
+
+def _bias_correction(beta: float, step: int, enabled: bool) -> float:
+    return _f32(1.0 - beta ** step) if enabled else 1.0
+
+
+def _div(x: Tensor, c: float) -> Tensor:
+    # A tensor divisor: CUDA turns division by a Python scalar into a multiply by
+    # its reciprocal, which the kernels (true division) would not match.
+    return x / torch.full((), c, dtype=torch.float32, device=x.device)
+
+
+def _sqrt_rn(x: Tensor) -> Tensor:
+    # torch.sqrt on CPU is not correctly rounded for float32; a float64 sqrt
+    # (error < 1 ulp) rounded to float32 is, for every float32 input.
+    return x.double().sqrt().float()
+
+
+def _keep(noop: Tensor | None) -> Tensor | None:
+    """A 0-dim bool that is True when the step must leave everything as it is."""
+    return None if noop is None else noop.reshape(()) != 0
+
+
+def _commit(keep: Tensor | None, *pairs: tuple[Tensor, Tensor]) -> None:
+    """Write each new value into its tensor; under ``keep``, write the old bits back."""
+    for dst, value in pairs:
+        value = value.to(dst.dtype)
+        dst.copy_(value if keep is None else torch.where(keep, dst, value))
+
+
+def _grad32(g: Tensor, inv_scale: Tensor | None) -> Tensor:
+    g = g.float()
+    return g if inv_scale is None else g * inv_scale.reshape(()).to(g.device)
+
+
+def _check_rows(op: str, **lists: Sequence[Tensor] | None) -> None:
+    """Equal lengths, and at each index equal shapes, over the lists that are not None."""
+    named = [(k, v) for k, v in lists.items() if v is not None]
+    lead_name, lead = named[0]
+    for name, tensors in named[1:]:
+        if len(tensors) != len(lead):
+            raise RuntimeError(f"amp_patch::{op}: list lengths differ ({lead_name} has {len(lead)}, "
+                               f"{name} has {len(tensors)})")
+        for i, (a, b) in enumerate(zip(lead, tensors)):
+            if a.shape != b.shape:
+                raise RuntimeError(f"amp_patch::{op}: {name}[{i}] has shape {tuple(b.shape)} but "
+                                   f"{lead_name}[{i}] has {tuple(a.shape)}")
+
+
+def _out(model_params: Sequence[Tensor], i: int, p: Tensor) -> list[tuple[Tensor, Tensor]]:
+    return [(model_params[i], p)] if model_params else []
+
+
+def _adam_direction(m: Tensor, v: Tensor, p: Tensor | None, bc1: float, bc2: float, eps: float,
+                    wd: float, adam_w_mode: bool) -> Tensor:
+    """Adam's update direction from the moments, with AdamW's decay term (LAMB's too)."""
+    u = _div(m, bc1) / (_sqrt_rn(_div(v, bc2)) + eps)
+    if adam_w_mode and wd != 0.0:
+        u = u + wd * p
+    return u
+
+
+def _adam_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, b2: float,
+                  c1: float, c2: float, bc1: float, bc2: float, eps: float, wd: float,
+                  adam_w_mode: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """New moments from an unscaled grad, and the direction (LAMB: c1 is beta3)."""
+    if not adam_w_mode and wd != 0.0:
+        g = g + wd * p
+    m = b1 * m.float() + c1 * g
+    v = b2 * v.float() + c2 * g * g
+    return m, v, _adam_direction(m, v, p, bc1, bc2, eps, wd, adam_w_mode)
+
+
+def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scale, lr, beta1,
+              beta2, eps, weight_decay, step, adam_w_mode, bias_correction) -> None:
+    _check_rows("multi_tensor_adam_", grads=grads, params=params, exp_avgs=exp_avgs,
+                exp_avg_sqs=exp_avg_sqs, model_params=model_params or None)
+    keep = _keep(noop)
+    b1, b2, lr, eps, wd = _f32(beta1), _f32(beta2), _f32(lr), _f32(eps), _f32(weight_decay)
+    c1, c2 = _one_minus(b1), _one_minus(b2)
+    bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        p = params[i].float()
+        m, v, u = _adam_moments(_grad32(grad, inv_scale), p, exp_avgs[i], exp_avg_sqs[i], b1, b2,
+                                c1, c2, bc1, bc2, eps, wd, adam_w_mode)
+        p = p - lr * u
+        _commit(keep, (params[i], p), (exp_avgs[i], m), (exp_avg_sqs[i], v),
+                *_out(model_params, i, p))
+
+
+def _sgd_ref(grads, params, momentum_buffers, model_params, noop, inv_scale, lr, weight_decay,
+             momentum, dampening, nesterov, first_run, wd_after_momentum) -> None:
+    op = "multi_tensor_sgd_"
+    if momentum != 0.0 and len(momentum_buffers) != len(grads):
+        raise RuntimeError(f"amp_patch::{op}: momentum is {momentum} but momentum_buffers has "
+                           f"{len(momentum_buffers)} tensors for {len(grads)} grads")
+    _check_rows(op, grads=grads, params=params,
+                momentum_buffers=momentum_buffers if momentum != 0.0 else None,
+                model_params=model_params or None)
+    keep = _keep(noop)
+    lr, wd, mu = _f32(lr), _f32(weight_decay), _f32(momentum)
+    c_damp = _one_minus(_f32(dampening))
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        g, p = _grad32(grad, inv_scale), params[i].float()
+        if wd != 0.0 and not wd_after_momentum:
+            g = g + wd * p
+        state = []
+        if mu != 0.0:
+            buf = g if first_run else mu * momentum_buffers[i].float() + c_damp * g
+            g = g + mu * buf if nesterov else buf
+            state = [(momentum_buffers[i], buf)]
+        if wd != 0.0 and wd_after_momentum:
+            g = g + wd * p
+        p = p - lr * g
+        _commit(keep, (params[i], p), *state, *_out(model_params, i, p))
+
+
+def _adagrad_ref(grads, params, state_sums, model_params, noop, inv_scale, lr, eps, weight_decay,
+                 adagrad_w_mode) -> None:
+    _check_rows("multi_tensor_adagrad_", grads=grads, params=params, state_sums=state_sums,
+                model_params=model_params or None)
+    keep = _keep(noop)
+    lr, eps, wd = _f32(lr), _f32(eps), _f32(weight_decay)
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        g, p = _grad32(grad, inv_scale), params[i].float()
+        if not adagrad_w_mode and wd != 0.0:
+            g = g + wd * p
+        h = state_sums[i].float() + g * g
+        update = g / (_sqrt_rn(h) + eps)
+        if adagrad_w_mode and wd != 0.0:
+            update = update + wd * p
+        p = p - lr * update
+        _commit(keep, (params[i], p), (state_sums[i], h), *_out(model_params, i, p))
+
+
+def _novograd_ref(grads, params, exp_avgs, grad_norms, model_params, noop, inv_scale, lr, beta1,
+                  beta2, eps, weight_decay, step, bias_correction, grad_averaging,
+                  reg_inside_moment) -> None:
+    op = "multi_tensor_novograd_"
+    _check_rows(op, grads=grads, params=params, exp_avgs=exp_avgs, model_params=model_params or None)
+    if grad_norms.shape != (len(grads),):
+        raise RuntimeError(f"amp_patch::{op}: grad_norms must have one element per tensor "
+                           f"({len(grads)}), got shape {tuple(grad_norms.shape)}")
+    keep = _keep(noop)
+    b1, lr, eps, wd = _f32(beta1), _f32(lr), _f32(eps), _f32(weight_decay)
+    b3 = _one_minus(b1) if grad_averaging else 1.0
+    bc1 = _bias_correction(b1, step, bias_correction)
+    # The second moment is a norm, so its correction is a square root.
+    bc2 = _f32(math.sqrt(1.0 - _f32(beta2) ** step)) if bias_correction else 1.0
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        denom = _div(grad_norms[i].float(), bc2) + eps
+        g, p = _grad32(grad, inv_scale), params[i].float()
+        if reg_inside_moment:
+            g = g / denom
+            if wd != 0.0:
+                g = g + wd * p
+            m = b1 * exp_avgs[i].float() + b3 * g
+            p = p - lr * _div(m, bc1)
+        else:
+            m = b1 * exp_avgs[i].float() + b3 * g
+            update = _div(m, bc1) / denom
+            if wd != 0.0:
+                update = update + wd * p
+            p = p - lr * update
+        _commit(keep, (params[i], p), (exp_avgs[i], m), *_out(model_params, i, p))
+
+
+
+
+def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, global_grad_norm,
+                     max_grad_norm, beta1, beta2, eps, weight_decay, step, bias_correction,
+                     grad_averaging, adam_w_mode, use_nvlamb) -> tuple[Tensor, Tensor]:
+    _check_rows("multi_tensor_lamb_stage1_", grads=grads, params=params, exp_avgs=exp_avgs,
+                exp_avg_sqs=exp_avg_sqs)
+    keep = _keep(noop)
+    b1, b2, eps, wd = _f32(beta1), _f32(beta2), _f32(eps), _f32(weight_decay)
+    b3 = _one_minus(b1) if grad_averaging else 1.0
+    c2 = _one_minus(b2)
+    bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
+    norms_wanted = use_nvlamb or wd != 0.0
+    device = grads[0].device if grads else torch.device("cpu")
+    norm = _grad32(global_grad_norm.reshape(()), inv_scale)
+    max_norm = _f32(max_grad_norm)
+    clip = torch.ones((), device=norm.device)
+    if max_norm > 0.0:
+        clip = torch.where(norm > max_norm, _div(norm, max_norm), clip)
+    sums = torch.zeros(2, len(grads), dtype=torch.float64, device=device)
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        p = params[i].float() if norms_wanted else None
+        m, v, u = _adam_moments(_grad32(grad, inv_scale) / clip, p, exp_avgs[i], exp_avg_sqs[i],
+                                b1, b2, b3, c2, bc1, bc2, eps, wd, adam_w_mode)
+        if norms_wanted:
+            sums[0, i] = p.double().square().sum()
+        sums[1, i] = u.double().square().sum()
+        _commit(keep, (exp_avgs[i], m), (exp_avg_sqs[i], v))
+    norms = sums.sqrt().float()
+    if keep is not None:
+        norms = torch.where(keep, torch.zeros_like(norms), norms)
+    return norms[0].clone(), norms[1].clone()
+
+
+def _lamb_stage2_ref(params, exp_avgs, exp_avg_sqs, param_norms, update_norms, model_params, noop,
+                     lr, beta1, beta2, eps, weight_decay, step, bias_correction, adam_w_mode,
+                     use_nvlamb) -> None:
+    op = "multi_tensor_lamb_stage2_"
+    _check_rows(op, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                model_params=model_params or None)
+    for name, t in (("param_norms", param_norms), ("update_norms", update_norms)):
+        if t.shape != (len(params),):
+            raise RuntimeError(f"amp_patch::{op}: {name} must have one element per tensor "
+                               f"({len(params)}), got shape {tuple(t.shape)}")
+    keep = _keep(noop)
+    b1, b2, lr, eps, wd = _f32(beta1), _f32(beta2), _f32(lr), _f32(eps), _f32(weight_decay)
+    bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
+    for i, param in enumerate(params):
+        if param.numel() == 0:
+            continue
+        ratio = torch.full((), lr, dtype=torch.float32, device=param.device)
+        if use_nvlamb or wd != 0.0:
+            pn, un = param_norms[i], update_norms[i]
+            ratio = torch.where((pn != 0) & (un != 0), lr * (pn / un), ratio)
+        p = param.float()
+        u = _adam_direction(exp_avgs[i].float(), exp_avg_sqs[i].float(), p, bc1, bc2, eps, wd,
+                            adam_w_mode)
+        p = p - ratio * u
+        _commit(keep, (params[i], p), *_out(model_params, i, p))
+
+
+def _lamb_stage1_fake(grads, *args) -> tuple[Tensor, Tensor]:
+    device = grads[0].device if grads else torch.device("cpu")
+    return (torch.empty(len(grads), dtype=torch.float32, device=device),
+            torch.empty(len(grads), dtype=torch.float32, device=device))
+
+
+_OPTIM_REFERENCE = {
+    "multi_tensor_adam_": _adam_ref,
+    "multi_tensor_sgd_": _sgd_ref,
+    "multi_tensor_adagrad_": _adagrad_ref,
+    "multi_tensor_novograd_": _novograd_ref,
+    "multi_tensor_lamb_stage1_": _lamb_stage1_ref,
+    "multi_tensor_lamb_stage2_": _lamb_stage2_ref,
+}
+_OPTIM_FAKES = {"multi_tensor_lamb_stage1_": _lamb_stage1_fake}
+for _name in _OPTIM_SCHEMAS:
+    _lib.impl(_name, _OPTIM_REFERENCE[_name], "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _OPTIM_FAKES.get(_name, _no_output_fake),
+                                lib=_lib)
+
+
+def multi_tensor_adam_(
+    grads: list[Tensor], params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    model_params: list[Tensor], noop: Tensor | None, inv_scale: Tensor | None, *, lr: float,
+    beta1: float, beta2: float, eps: float, weight_decay: float, step: int, adam_w_mode: bool = True,
+    bias_correction: bool = True,
+) -> None:
+    """One Adam / AdamW step over lists of tensors, in one pass (Apex's ``multi_tensor_adam``).
+
+    Per element, in fp32: ``g = grad * inv_scale`` (plus ``weight_decay * p`` in
+    L2 mode), ``m = beta1*m + (1-beta1)*g``, ``v = beta2*v + (1-beta2)*g*g``,
+    ``update = (m/bc1) / (sqrt(v/bc2) + eps)`` (plus ``weight_decay * p`` in
+    AdamW mode), ``p = p - lr*update``, with ``bc = 1 - beta**step``.
+
+    Args:
+        grads (list of Tensor): gradients (fp32, fp16 or bf16), read only.
+        params (list of Tensor): parameters or fp32 masters, updated in place.
+        exp_avgs (list of Tensor): first moments, updated in place.
+        exp_avg_sqs (list of Tensor): second moments, updated in place.
+        model_params (list of Tensor): empty, or one tensor per param that receives
+            the updated param rounded to its dtype (the half model copy).
+        noop (Tensor, optional): one-element flag; non-zero skips the whole step.
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        lr (float): learning rate.
+        beta1 (float): first-moment decay.
+        beta2 (float): second-moment decay.
+        eps (float): added to the denominator.
+        weight_decay (float): weight decay.
+        step (int): the step number, from 1, for the bias corrections.
+        adam_w_mode (bool, optional): decoupled weight decay (AdamW) rather than L2.
+            Default: True.
+        bias_correction (bool, optional): Default: True.
+
+    Example::
+
+        >>> ops.multi_tensor_adam_(half_grads, masters, m, v, half_params, found_inf, inv_scale,
+        ...                        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
+    """
+    _ops.multi_tensor_adam_(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scale,
+                            lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
+
+
+def multi_tensor_sgd_(
+    grads: list[Tensor], params: list[Tensor], momentum_buffers: list[Tensor],
+    model_params: list[Tensor], noop: Tensor | None, inv_scale: Tensor | None, *, lr: float,
+    weight_decay: float = 0.0, momentum: float = 0.0, dampening: float = 0.0,
+    nesterov: bool = False, first_run: bool = False, wd_after_momentum: bool = False,
+) -> None:
+    """One SGD step over lists of tensors, with Apex's momentum rule (``multi_tensor_sgd``).
+
+    ``g = grad * inv_scale`` (+ ``weight_decay * p`` before or after momentum);
+    with momentum, ``buf = g`` on the first run, else ``momentum*buf + (1-dampening)*g``,
+    then ``g = buf`` (Nesterov: ``g + momentum*buf``); ``p = p - lr*g``.
+
+    Args:
+        grads (list of Tensor): gradients, read only.
+        params (list of Tensor): parameters or fp32 masters, updated in place.
+        momentum_buffers (list of Tensor): one per param when ``momentum != 0``
+            (ignored otherwise; may be empty).
+        model_params (list of Tensor): empty, or the half copies to write.
+        noop (Tensor, optional): non-zero skips the whole step.
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        lr (float): learning rate.
+        weight_decay (float, optional): Default: 0.
+        momentum (float, optional): Default: 0.
+        dampening (float, optional): Default: 0.
+        nesterov (bool, optional): Default: False.
+        first_run (bool, optional): the buffers are new: set them to the grad.
+            Default: False.
+        wd_after_momentum (bool, optional): add weight decay after the momentum.
+            Default: False.
+
+    Example::
+
+        >>> ops.multi_tensor_sgd_(grads, params, bufs, [], None, None, lr=0.1, momentum=0.9)
+    """
+    _ops.multi_tensor_sgd_(grads, params, momentum_buffers, model_params, noop, inv_scale, lr,
+                           weight_decay, momentum, dampening, nesterov, first_run, wd_after_momentum)
+
+
+def multi_tensor_adagrad_(
+    grads: list[Tensor], params: list[Tensor], state_sums: list[Tensor], model_params: list[Tensor],
+    noop: Tensor | None, inv_scale: Tensor | None, *, lr: float, eps: float,
+    weight_decay: float = 0.0, adagrad_w_mode: bool = False,
+) -> None:
+    """One Adagrad step over lists of tensors (Apex's ``multi_tensor_adagrad``).
+
+    ``g = grad * inv_scale`` (+ ``weight_decay * p`` in L2 mode), ``sum += g*g``,
+    ``p = p - lr * (g / (sqrt(sum) + eps) [+ weight_decay * p in w mode])``.
+
+    Args:
+        grads (list of Tensor): gradients, read only.
+        params (list of Tensor): parameters or fp32 masters, updated in place.
+        state_sums (list of Tensor): the sums of squared grads, updated in place.
+        model_params (list of Tensor): empty, or the half copies to write.
+        noop (Tensor, optional): non-zero skips the whole step.
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        lr (float): learning rate.
+        eps (float): added to the denominator.
+        weight_decay (float, optional): Default: 0.
+        adagrad_w_mode (bool, optional): decoupled weight decay. Default: False.
+
+    Example::
+
+        >>> ops.multi_tensor_adagrad_(grads, params, sums, [], None, None, lr=1e-2, eps=1e-10)
+    """
+    _ops.multi_tensor_adagrad_(grads, params, state_sums, model_params, noop, inv_scale, lr, eps,
+                               weight_decay, adagrad_w_mode)
+
+
+def multi_tensor_novograd_(
+    grads: list[Tensor], params: list[Tensor], exp_avgs: list[Tensor], grad_norms: Tensor,
+    model_params: list[Tensor], noop: Tensor | None, inv_scale: Tensor | None, *, lr: float,
+    beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+    bias_correction: bool = True, grad_averaging: bool = True, reg_inside_moment: bool = False,
+) -> None:
+    """NovoGrad's element step over lists of tensors (Apex's ``multi_tensor_novograd``).
+
+    ``grad_norms[i]`` is tensor i's second moment: its blended grad norm, which
+    the caller updates first (:class:`amp_patch.optimizers.FusedNovoGrad` does).
+    With ``denom = grad_norms[i] / sqrt(1 - beta2**step) + eps``: by default
+    ``m = beta1*m + beta3*g``, ``p = p - lr * ((m/bc1)/denom + weight_decay*p)``;
+    with ``reg_inside_moment`` the grad is normalised (and decayed) before the
+    moment: ``m = beta1*m + beta3*(g/denom + weight_decay*p)``, ``p = p - lr*m/bc1``.
+    ``beta3`` is ``1 - beta1`` with ``grad_averaging``, else 1.
+
+    Args:
+        grads (list of Tensor): gradients, read only.
+        params (list of Tensor): parameters or fp32 masters, updated in place.
+        exp_avgs (list of Tensor): first moments, updated in place.
+        grad_norms (Tensor): 1-D fp32, one blended norm per tensor.
+        model_params (list of Tensor): empty, or the half copies to write.
+        noop (Tensor, optional): non-zero skips the whole step.
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        lr (float): learning rate.
+        beta1 (float): first-moment decay.
+        beta2 (float): norm decay (for the bias correction).
+        eps (float): added to the denominator.
+        weight_decay (float): weight decay.
+        step (int): the step number, from 1.
+        bias_correction (bool, optional): Default: True.
+        grad_averaging (bool, optional): Default: True.
+        reg_inside_moment (bool, optional): Default: False.
+
+    Example::
+
+        >>> ops.multi_tensor_novograd_(grads, params, m, norms, [], None, None, lr=1e-3,
+        ...                            beta1=0.95, beta2=0.98, eps=1e-8, weight_decay=0.0, step=1)
+    """
+    _ops.multi_tensor_novograd_(grads, params, exp_avgs, grad_norms, model_params, noop, inv_scale,
+                                lr, beta1, beta2, eps, weight_decay, step, bias_correction,
+                                grad_averaging, reg_inside_moment)
+
+
+def multi_tensor_lamb_stage1_(
+    grads: list[Tensor], params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    noop: Tensor | None, inv_scale: Tensor | None, global_grad_norm: Tensor, *,
+    max_grad_norm: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+    bias_correction: bool = True, grad_averaging: bool = True, adam_w_mode: bool = True,
+    use_nvlamb: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """LAMB's first stage: the moments, and the norms that the trust ratio needs.
+
+    ``g = grad * inv_scale / clip``, where ``clip = n / max_grad_norm`` when the
+    unscaled global norm ``n = global_grad_norm * inv_scale`` exceeds
+    ``max_grad_norm > 0``, else 1. Then (L2 mode adds ``weight_decay * p`` to g)
+    ``m = m*beta1 + beta3*g``, ``v = v*beta2 + (1-beta2)*g*g``, and the update
+    direction ``u = (m/bc1) / (sqrt(v/bc2) + eps)`` (+ ``weight_decay * p`` in
+    AdamW mode). ``u`` is not stored: stage 2 recomputes it from ``m`` and ``v``.
+
+    Args:
+        grads (list of Tensor): gradients, read only.
+        params (list of Tensor): parameters or fp32 masters, read only (read
+            only with weight decay or ``use_nvlamb``).
+        exp_avgs (list of Tensor): first moments, updated in place.
+        exp_avg_sqs (list of Tensor): second moments, updated in place.
+        noop (Tensor, optional): non-zero skips the step (both norms are then 0).
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        global_grad_norm (Tensor): one-element fp32, the L2 norm of all the
+            optimizer's grads as stored (scaled), e.g. from :func:`multi_tensor_l2norm`.
+        max_grad_norm (float): clipping threshold; 0 or less turns clipping off.
+        beta1 (float): first-moment decay.
+        beta2 (float): second-moment decay.
+        eps (float): added to the denominator.
+        weight_decay (float): weight decay.
+        step (int): the step number, from 1.
+        bias_correction (bool, optional): Default: True.
+        grad_averaging (bool, optional): ``beta3 = 1 - beta1`` (else 1). Default: True.
+        adam_w_mode (bool, optional): decoupled weight decay. Default: True.
+        use_nvlamb (bool, optional): the trust ratio for every tensor, not only
+            those with weight decay (then the param norms are computed). Default: False.
+
+    Returns:
+        tuple of Tensor: ``(param_norms, update_norms)``, fp32, one per tensor
+        (``param_norms`` are 0 when not needed).
+
+    Example::
+
+        >>> total, _ = ops.multi_tensor_l2norm(grads)
+        >>> pn, un = ops.multi_tensor_lamb_stage1_(grads, params, m, v, None, None, total,
+        ...     max_grad_norm=1.0, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, step=1)
+        >>> ops.multi_tensor_lamb_stage2_(params, m, v, pn, un, [], None, lr=1e-3, beta1=0.9,
+        ...     beta2=0.999, eps=1e-6, weight_decay=0.01, step=1)
+    """
+    return _ops.multi_tensor_lamb_stage1_(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale,
+                                          global_grad_norm, max_grad_norm, beta1, beta2, eps,
+                                          weight_decay, step, bias_correction, grad_averaging,
+                                          adam_w_mode, use_nvlamb)
+
+
+def multi_tensor_lamb_stage2_(
+    params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], param_norms: Tensor,
+    update_norms: Tensor, model_params: list[Tensor], noop: Tensor | None, *, lr: float,
+    beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+    bias_correction: bool = True, adam_w_mode: bool = True, use_nvlamb: bool = False,
+) -> None:
+    """LAMB's second stage: ``p = p - ratio * u``, with the per-tensor trust ratio.
+
+    ``u`` is recomputed from the moments stage 1 stored. ``ratio`` is
+    ``lr * param_norm / update_norm`` for tensors with weight decay (all of them
+    with ``use_nvlamb``) when both norms are non-zero, else ``lr``.
+
+    Args:
+        params (list of Tensor): parameters or fp32 masters, updated in place.
+        exp_avgs (list of Tensor): first moments from stage 1, read only.
+        exp_avg_sqs (list of Tensor): second moments from stage 1, read only.
+        param_norms (Tensor): stage 1's first result.
+        update_norms (Tensor): stage 1's second result.
+        model_params (list of Tensor): empty, or the half copies to write.
+        noop (Tensor, optional): non-zero skips the step.
+        lr (float): learning rate.
+        beta1 (float): as in stage 1.
+        beta2 (float): as in stage 1.
+        eps (float): as in stage 1.
+        weight_decay (float): as in stage 1.
+        step (int): as in stage 1.
+        bias_correction (bool, optional): Default: True.
+        adam_w_mode (bool, optional): Default: True.
+        use_nvlamb (bool, optional): Default: False.
+
+    Example::
+
+        >>> ops.multi_tensor_lamb_stage2_(params, m, v, pn, un, half_params, found_inf, lr=1e-3,
+        ...     beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, step=1)
+    """
+    _ops.multi_tensor_lamb_stage2_(params, exp_avgs, exp_avg_sqs, param_norms, update_norms,
+                                   model_params, noop, lr, beta1, beta2, eps, weight_decay, step,
+                                   bias_correction, adam_w_mode, use_nvlamb)

@@ -25,9 +25,10 @@ import torch
 
 import amp_patch
 from amp_patch.cli import models
+from amp_patch.cli.machine import LoadMonitor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    interleaved_median, load_note, machine, markdown_table, publish)
+    interleaved_median, machine, markdown_table, publish)
 
 WORKLOADS = {
     "lm": lambda: models.lm(config=models.COMPARE_LM),
@@ -83,6 +84,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
+    load = LoadMonitor().start()
     for name in args.models:
         r = measure(name, args.repeats)
         speed = r["eager"] / r["compiled"]
@@ -90,6 +92,7 @@ def main() -> None:
                      f"{r['compiled'] * 1e3:.1f}", f"{speed:.2f}x",
                      "yes" if r["breaks"] == 0 and speed >= 1.0 else "no",
                      f"{r['compile_s']:.0f}"))
+    load.stop()
     table = markdown_table(
         ["model", "graphs", "breaks", "eager O1 ms/step", "compiled O1 ms/step",
          "compiled speed / eager", "C1 met (0 breaks, >= 1.0x)",
@@ -98,7 +101,7 @@ def main() -> None:
     body = (
         "## O1 under torch.compile (C1)\n\n"
         f"{machine()}; inductor; bf16; median of {args.repeats} interleaved steps after the "
-        f"compiling one. {load_note()} "
+        f"compiling one; {load.line()}. "
         "`lm` is `amp-patch compare`'s LM (d_model 256, 2 layers, seq 128, batch 8), "
         "`convnet` the built-in conv net (batch 64, 32x32).\n\n"
         f"{table}\n"

@@ -3,7 +3,8 @@
 Each level runs in its own process (clean patches, its own memory figure) that
 stays alive for the whole run. The parent asks the levels in turn, round after
 round, to time a few steps each, so that machine noise falls on all of them
-alike; the start of each round rotates to avoid a position bias. The median
+alike; the start of each round rotates to avoid a position bias. This is
+``amp_patch.cli.rounds``, which ``amp-patch compare`` uses too. The median
 step time per level gives the ratios:
 
 - E1: O1 step time / autocast step time (target <= 1.05);
@@ -28,12 +29,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import statistics
+import functools
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -42,7 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from amp_patch.cli import models  # noqa: E402
-from amp_patch.cli.trainer import HALF_DTYPES, LEVELS, CpuPeak, LevelTrainer  # noqa: E402
+from amp_patch.cli.machine import MIN_ROUNDS, HostFacts, cpu_half_banner  # noqa: E402
+from amp_patch.cli.rounds import JobSpec, LevelRecord, median_step_seconds  # noqa: E402
+from amp_patch.cli.rounds import measure as measure_levels  # noqa: E402
+from amp_patch.cli.trainer import HALF_DTYPES, LEVELS  # noqa: E402
 
 #: The workloads, sized so that an fp32 step takes 100-500 ms on the project's 2-core CPU.
 WORKLOADS = {
@@ -74,103 +74,39 @@ TARGETS = [
 ]
 
 
-def _worker(conn, workload: str, level: str, device: str, half: str, threads: int,
-            warmup: int) -> None:
-    """A level's process: build, warm up, then time steps whenever the parent asks."""
-    try:
-        torch.set_num_threads(threads)
-        dev = torch.device(device)
-        spec = WORKLOADS[workload]
-        model, optimizer, batch_fn, loss_fn = spec["factory"](device=dev, **spec["kwargs"])
-        cpu_peak = CpuPeak()
-        trainer = LevelTrainer(level, model, optimizer, loss_fn, dev, HALF_DTYPES[half],
-                               sample=cpu_peak.sample)
-        batches = [batch_fn(i) for i in range(2)]
-        for i in range(warmup):
-            trainer.step(batches[i % 2])
-        common.sync(dev)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        conn.send(("ready", None))
-        step = 0
-        while True:
-            cmd, n = conn.recv()
-            if cmd == "stop":
-                peak = (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
-                        else cpu_peak.delta())
-                conn.send(("peak", peak))
-                return
-            times = []
-            for _ in range(n):
-                common.sync(dev)
-                t0 = time.perf_counter()
-                trainer.step(batches[step % 2])
-                common.sync(dev)
-                times.append(time.perf_counter() - t0)
-                step += 1
-            conn.send(("times", times))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-
-
 def measure(workload: str, levels: list[str], device: str, half: str, rounds: int,
             steps: int, threads: int, warmup: int, allocator: str = "default") -> dict[str, dict]:
-    """Median step time and peak memory of each level, timed round-robin.
+    """Median step time and peak memory of each level, timed round-robin (amp_patch.cli.rounds).
 
     Args:
         allocator (str, optional): ``"default"`` or ``"tuned"`` (:data:`TUNED_MALLOC`
             in the level processes' environment).
 
     Returns:
-        dict: level to ``{"median_s", "peak_bytes", "error"}``.
+        dict: level to ``{"times", "median_s", "peak_bytes", "error"}``.
     """
-    ctx = mp.get_context("spawn")
-    procs, conns = {}, {}
-    saved = {k: os.environ.get(k) for k in TUNED_MALLOC}
-    for k in TUNED_MALLOC:
-        os.environ.pop(k, None)
-    if allocator == "tuned":
-        os.environ.update(TUNED_MALLOC)
-    for lv in levels:
-        parent, child = ctx.Pipe()
-        procs[lv] = ctx.Process(target=_worker, args=(child, workload, lv, device, half, threads,
-                                                     warmup), daemon=True)
-        procs[lv].start()
-        conns[lv] = parent
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    out = {lv: {"times": [], "median_s": None, "peak_bytes": None, "error": None} for lv in levels}
-    for lv in levels:
-        kind, payload = conns[lv].recv()
-        if kind == "error":
-            out[lv]["error"] = payload
-            print(f"  {lv} failed to start:\n{payload}", file=sys.stderr)
-    alive = [lv for lv in levels if out[lv]["error"] is None]
-    for r in range(rounds):
-        order = alive[r % len(alive):] + alive[:r % len(alive)] if alive else []
-        for lv in order:
-            conns[lv].send(("run", steps))
-            kind, payload = conns[lv].recv()
-            if kind == "error":
-                out[lv]["error"] = payload
-                print(f"  {lv} failed:\n{payload}", file=sys.stderr)
-            else:
-                out[lv]["times"].extend(payload)
-        alive = [lv for lv in alive if out[lv]["error"] is None]
-        status = "  ".join(f"{lv} {statistics.median(out[lv]['times']) * 1e3:.0f}ms"
-                           for lv in alive)
-        print(f"  {workload} [{allocator} malloc] round {r + 1}/{rounds}: {status}", file=sys.stderr, flush=True)
-    for lv in alive:
-        conns[lv].send(("stop", 0))
-        kind, payload = conns[lv].recv()
-        out[lv]["peak_bytes"] = payload
-        out[lv]["median_s"] = statistics.median(out[lv]["times"])
-    for p in procs.values():
-        p.join(timeout=30)
-    return out
+    spec = WORKLOADS[workload]
+    env = tuple((k, v if allocator == "tuned" else None) for k, v in TUNED_MALLOC.items())
+    job = JobSpec(functools.partial(spec["factory"], **spec["kwargs"]), device=device,
+                  half_dtype=half, threads=threads, cycle_batches=2, env=env)
+
+    def report(r: int, records: dict[str, LevelRecord]) -> None:
+        for lv, rec in records.items():
+            if rec.error is not None and lv not in failed:
+                failed.add(lv)
+                print(f"  {lv} failed:\n{rec.error}", file=sys.stderr)
+        if r >= 0:
+            status = "  ".join(f"{lv} {median_step_seconds(rec) * 1e3:.0f}ms"
+                               for lv, rec in records.items() if rec.ok)
+            print(f"  {workload} [{allocator} malloc] round {r + 1}/{rounds}: {status}",
+                  file=sys.stderr, flush=True)
+
+    failed: set[str] = set()
+    records = measure_levels(job, levels, warmup, [steps] * rounds, on_round=report)
+    return {lv: {"times": rec.step_seconds,
+                 "median_s": median_step_seconds(rec) if rec.ok else None,
+                 "peak_bytes": max(rec.round_peak_bytes, default=None) if rec.ok else None,
+                 "error": rec.error} for lv, rec in records.items()}
 
 
 def _ratio(res: dict, num: str, den: str, kind: str) -> float | None:
@@ -213,12 +149,19 @@ def report(results: dict[str, dict[str, dict]], device: str, half: str, rounds: 
         results (dict): allocator setting to workload to level to measurement.
     """
     on_cuda = device.startswith("cuda")
-    memory_kind = "torch.cuda.max_memory_allocated" if on_cuda else "peak anonymous RSS above start"
+    memory_kind = ("torch.cuda.max_memory_allocated" if on_cuda
+                   else "peak anonymous RSS above its value before the model was built")
     parts = [f"## End-to-end training step, {device}, {half}",
              "",
              f"Machine: {common.machine()}. Each level in its own process, timed round-robin: "
              f"{rounds} rounds x {steps} steps, median step time. Memory: {memory_kind}.",
              ""]
+    banner = cpu_half_banner(HostFacts.collect(device), half)
+    if banner:
+        parts += ["\n".join(f"> {line}" for line in banner.splitlines()), ""]
+    if rounds < MIN_ROUNDS:
+        parts += [f"> {rounds} round(s): a smoke test, not a measurement (a speed needs "
+                  f"{MIN_ROUNDS} rounds at least).", ""]
     for allocator, by_workload in results.items():
         for workload, res in by_workload.items():
             heading = f"### {workload}: {WORKLOADS[workload]['about']}"

@@ -33,10 +33,11 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch import session as amp_session
+from amp_patch.cli.machine import LoadMonitor
 from amp_patch.patching import wrappers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    interleaved_median, load_note, machine, markdown_table, publish)
+    interleaved_median, machine, markdown_table, publish)
 
 BLOCK = 200  # calls per timed block: amortises the loop and the autocast context entry
 NOTHING, CACHED = 0.3, 1.0  # the E4 targets, us per call over the anchor
@@ -127,7 +128,9 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    load = LoadMonitor().start()
     label, rows = measure(args.repeats)
+    load.stop()
     table = markdown_table(
         ["case", "anchor", "anchor us/call", f"O1 ({label}) us/call", "O1 - anchor (us)",
          "target", "met", "Python path - anchor (us)"],
@@ -137,8 +140,8 @@ def main() -> None:
     )
     body = (
         "## O1 wrapper overhead (E4)\n\n"
-        f"{machine()}; median of {args.repeats} interleaved rounds of {BLOCK} calls. "
-        f"{load_note()}\n\n{table}\n"
+        f"{machine()}; median of {args.repeats} interleaved rounds of {BLOCK} calls; "
+        f"{load.line()}.\n\n{table}\n"
     )
     publish("overhead", body, write=not args.no_write)
 

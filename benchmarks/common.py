@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import re
 import statistics
 import time
@@ -28,29 +27,11 @@ Each section states the machine, torch version and date it was measured on.
 
 
 def machine() -> str:
-    """A one-line description: CPU model and threads (or GPU name), torch version, date."""
-    if torch.cuda.is_available():
-        where = f"GPU {torch.cuda.get_device_name()}"
-    else:
-        where = f"CPU {_cpu_model()}, {torch.get_num_threads()} threads"
-    return f"{where}; torch {torch.__version__}; {datetime.date.today().isoformat()}"
+    """A one-line description: GPU name or CPU model, threads, native bf16, torch version, date."""
+    from amp_patch.cli.machine import HostFacts
 
-
-def load_note() -> str:
-    """A sentence on the machine's load: the 1-minute load average and the CPU count."""
-    if not hasattr(os, "getloadavg"):
-        return "Load average: not available."
-    return f"Load average (1 min) at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs."
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    facts = HostFacts.collect("cuda" if torch.cuda.is_available() else "cpu")
+    return f"{facts.line()}; {datetime.date.today().isoformat()}"
 
 
 def sync(device: str | torch.device) -> None:

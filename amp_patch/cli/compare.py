@@ -1,40 +1,59 @@
 """``amp-patch compare``: train one model under O0-O3 and torch.autocast, side by side.
 
-Each level trains in its own spawned process, from the same seed on the same
-batches, so that patches and memory figures of one level never leak into
-another. The parent shows a progress bar per level, then a table; it can write
-the results as JSON and the loss and loss-scale curves as a PNG.
+Every level trains in its own persistent process, from the same seed on the
+same batches, and the levels are timed round-robin (:mod:`amp_patch.cli.rounds`,
+shared with ``benchmarks/bench_e2e.py``). Each speed is the median over the
+timed rounds, with the min-max over rounds beside it; the host and its load
+are recorded, and a warning is printed when they make the ratios unreliable.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import io
 import json
 import math
-import multiprocessing as mp
 import os
-import queue
+import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from amp_patch.cli.trainer import HALF_DTYPES, LEVELS, CpuPeak, LevelTrainer
+from amp_patch.cli import machine, models
+from amp_patch.cli.options import UsageError, check_output_dir, check_output_file, parse_device
+from amp_patch.cli.progress import make_progress
+from amp_patch.cli.rounds import JobSpec, LevelRecord, measure, split_steps
+from amp_patch.cli.trainer import HALF_DTYPES, LEVELS
 
-__all__ = ["LEVELS", "LevelResult", "add_parser", "run_compare", "render_table", "write_plot"]
+__all__ = ["LEVELS", "DEMO_STEPS", "FULL_STEPS", "LevelResult", "Comparison", "add_parser",
+           "run_compare", "render_table", "write_plot", "validate", "check_model"]
 
+#: Steps per level by default: the demo size, a few minutes of CPU time at most.
+DEMO_STEPS = 60
+#: Steps per level with ``--full``: the loss curves of docs/compare.md.
+FULL_STEPS = 100
 
-DESCRIPTION = """\
-Train one model for N steps under O0, O1, O2, O3 and torch.autocast (with
+DESCRIPTION = f"""\
+Train one model under O0, O1, O2, O3 and torch.autocast (with
 torch.amp.GradScaler when the half type is fp16), each level in its own
 process, from the same seed on the same synthetic batches. Then print a table:
-steps/s, speed-up over O0, peak memory, final loss, the largest |loss - O0 loss|
-over the run, skipped (overflow) steps and the final loss scale.
+steps/s and speed-up over O0 (median over timed rounds, min-max beside it),
+peak memory, final loss, the largest |loss - O0 loss| over the run, skipped
+(overflow) steps and the final loss scale.
+
+Timing: every level process builds its model and trains --warmup untimed
+steps; then, in each of --rounds timed rounds, the levels train their share
+of the remaining steps in turn (round-robin, the first level rotating), so
+that other load on the machine falls on all of them alike. A speed needs at
+least {machine.MIN_ROUNDS} timed rounds to be shown. The host (CPU or GPU, threads,
+native bf16), torch's version and the load average before and after are
+recorded; a warning says when the load, or the spread between rounds, makes
+the ratios unreliable.
 
 Peak memory is torch.cuda.max_memory_allocated on CUDA; on CPU it is the
 process's peak anonymous resident memory (heap, sampled after forward,
@@ -44,18 +63,24 @@ backward and step) above its value before the model was built.
 default; mlp; convnet: a conv net with BatchNorm) or pkg.module:factory, a
 function returning (model, optimizer, batch_fn, loss_fn), where batch_fn(step)
 returns the batch of a step and loss_fn(model, batch) the scalar loss. The
-factory may take the keyword arguments device, batch_size and seed. The
-exit status is 1 if any level failed.
+factory may take the keyword arguments device, batch_size and seed. Bad
+options end with exit status 2 before any process starts; the exit status
+is 1 if any level failed.
 """
 
-EPILOG = """\
+EPILOG = f"""\
 examples:
-  amp-patch compare                                  # built-in LM, all levels, about a minute on CPU
-  amp-patch compare --out out/                       # also write out/table.txt, results.json, compare.png
+  amp-patch compare                                  # built-in LM, all levels, {DEMO_STEPS} steps
+  amp-patch compare --full --out out/                # {FULL_STEPS} steps, into out/: table.txt,
+                                                     # results.json and compare.png
   amp-patch compare --model mlp --steps 50 --levels O0 O2 autocast
   amp-patch compare --model convnet --json r.json --plot r.png
   amp-patch compare --model mypkg.models:make_workload --device cuda --half-dtype fp16
+  amp-patch compare | tee log.txt                    # plain progress lines when not on a terminal
 """
+
+_MODEL_CONTRACT = ("factory(device=..., batch_size=..., seed=...) -> (model, optimizer, "
+                   "batch_fn, loss_fn); it may take any of those keywords")
 
 
 @dataclass
@@ -66,27 +91,57 @@ class LevelResult:
         level (str): ``"O0"`` ... ``"O3"`` or ``"autocast"``.
         ok (bool): the run finished.
         error (str or None): the traceback when it did not.
-        steps_per_s (float or None): steps per second after the warm-up steps.
-        peak_memory_bytes (int or None): see ``memory_kind``.
+        steps_per_s (float or None): median over timed rounds of the
+            round's steps per second; None with fewer than
+            :data:`~amp_patch.cli.machine.MIN_ROUNDS` rounds.
+        steps_per_s_range (list of float or None): min and max over rounds.
+        round_steps_per_s (list of float): every timed round's steps per second.
+        speedup_vs_O0 (float or None): median over rounds of this level's
+            round speed over O0's in the same round.
+        speedup_range (list of float or None): min and max of those ratios.
+        peak_memory_bytes (int or None): peak over the timed rounds; see ``memory_kind``.
+        round_peak_bytes (list of int): each timed round's peak.
         memory_kind (str): ``"cuda_max_allocated"`` or ``"cpu_peak_anon_rss_delta"``.
-        losses (list of float): the loss of every step.
+        losses (list of float): the loss of every step, warm-up included.
         loss_scales (list of float): the loss scale after every step (1.0 when none is used).
         skipped (list of int): steps whose optimizer step was skipped (overflow).
-        speedup_vs_O0 (float or None): ``steps_per_s`` over O0's.
         max_abs_loss_diff_vs_O0 (float or None): max over steps of ``|loss - O0 loss|``.
+        warmup_steps (int): untimed steps before the rounds.
+        threads (int or None): torch threads of the level's process.
     """
 
     level: str
     ok: bool = False
     error: str | None = None
     steps_per_s: float | None = None
+    steps_per_s_range: list[float] | None = None
+    round_steps_per_s: list[float] = field(default_factory=list)
+    speedup_vs_O0: float | None = None
+    speedup_range: list[float] | None = None
     peak_memory_bytes: int | None = None
+    round_peak_bytes: list[int] = field(default_factory=list)
     memory_kind: str = ""
     losses: list[float] = field(default_factory=list)
     loss_scales: list[float] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
-    speedup_vs_O0: float | None = None
     max_abs_loss_diff_vs_O0: float | None = None
+    warmup_steps: int = 0
+    threads: int | None = None
+
+    @classmethod
+    def from_record(cls, record: LevelRecord) -> "LevelResult":
+        """The result of a level from what its process reported."""
+        speeds = record.round_speeds
+        enough = len(speeds) >= machine.MIN_ROUNDS
+        peaks = record.round_peak_bytes
+        return cls(level=record.level, ok=record.ok, error=record.error,
+                   steps_per_s=statistics.median(speeds) if enough else None,
+                   steps_per_s_range=[min(speeds), max(speeds)] if speeds else None,
+                   round_steps_per_s=speeds,
+                   peak_memory_bytes=max(peaks) if peaks else record.peak_bytes,
+                   round_peak_bytes=peaks, memory_kind=record.memory_kind, losses=record.losses,
+                   loss_scales=record.loss_scales, skipped=record.skipped,
+                   warmup_steps=record.warmup_steps, threads=record.threads)
 
     @property
     def final_loss(self) -> float | None:
@@ -103,98 +158,34 @@ class LevelResult:
         return _finite_or_none(d)
 
 
-# --------------------------------------------------------------------------- the child process
+@dataclass
+class Comparison:
+    """A whole run of ``compare``: the levels' results and the conditions they were measured in.
 
+    Attributes:
+        results (list of LevelResult): in the order the levels were asked for.
+        host (HostFacts): the machine.
+        load (LoadMonitor): the load around the run.
+        rounds (list of int): steps per level in each timed round.
+        warnings (list of str): why the speed ratios may not be trusted.
+    """
 
-def _level_worker(level: str, job: dict[str, Any], out: "mp.Queue") -> None:
-    """Train ``job`` under ``level`` in this (spawned) process, reporting on ``out``."""
-    try:
-        _train_level(level, job, out)
-    except BaseException:
-        out.put(("error", level, traceback.format_exc()))
+    results: list[LevelResult]
+    host: machine.HostFacts
+    load: machine.LoadMonitor
+    rounds: list[int]
+    warnings: list[str] = field(default_factory=list)
 
-
-def _train_level(level: str, job: dict[str, Any], out: "mp.Queue") -> None:
-    from amp_patch.cli import models
-
-    device = torch.device(job["device"])
-    on_cuda = device.type == "cuda"
-    result = LevelResult(level, memory_kind="cuda_max_allocated" if on_cuda else "cpu_peak_anon_rss_delta")
-    cpu_peak = CpuPeak()
-
-    torch.manual_seed(job["seed"])
-    factory = models.resolve(job["model"])
-    model, optimizer, batch_fn, loss_fn = models.build(factory, device, job["batch_size"], job["seed"])
-    trainer = LevelTrainer(level, model, optimizer, loss_fn, device, HALF_DTYPES[job["half_dtype"]],
-                           sample=cpu_peak.sample)
-    if on_cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    cpu_peak.sample()
-
-    torch.manual_seed(job["seed"])
-    steps, warmup = job["steps"], job["warmup"]
-    timed = 0.0
-    for step in range(steps):
-        batch = batch_fn(step)
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        loss_value = float(trainer.step(batch).float().item())  # the iteration's one sync for the loss
-        scale = trainer.loss_scale
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        if step >= warmup:
-            timed += time.perf_counter() - t0
-        result.losses.append(loss_value)
-        result.loss_scales.append(scale)
-        if trainer.skipped:
-            result.skipped.append(step)
-        out.put(("step", level, step, loss_value))
-
-    result.steps_per_s = (steps - warmup) / timed if timed > 0 else None
-    if on_cuda:
-        result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
-    else:
-        result.peak_memory_bytes = max(0, cpu_peak.delta())
-    result.ok = True
-    trainer.close()
-    out.put(("done", level, asdict(result)))
-
-
-# --------------------------------------------------------------------------- the parent
-
-
-def _run_level(level: str, job: dict[str, Any], progress, task) -> LevelResult:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_level_worker, args=(level, job, q), name=f"amp-patch-compare-{level}")
-    proc.start()
-    result = None
-    while result is None:
-        try:
-            msg = q.get(timeout=0.2)
-        except queue.Empty:
-            if not proc.is_alive():
-                # The process may have put its last message just before exiting.
-                try:
-                    msg = q.get(timeout=1.0)
-                except queue.Empty:
-                    result = LevelResult(level, error=f"the {level} process died with exit code "
-                                                      f"{proc.exitcode} and no traceback")
-                    break
-            else:
-                continue
-        kind = msg[0]
-        if kind == "step":
-            _, _, step, loss = msg
-            progress.update(task, completed=step + 1, info=f"loss {loss:.4f}")
-        elif kind == "done":
-            result = LevelResult(**msg[2])
-        else:
-            result = LevelResult(level, error=msg[2])
-    proc.join()
-    return result
+    def spreads(self) -> dict[str, float | None]:
+        """Relative spread over rounds of every level's speed and speed-up."""
+        out: dict[str, float | None] = {}
+        for r in self.results:
+            if r.ok and r.steps_per_s is not None:
+                out[f"{r.level} steps/s"] = machine.relative_spread(r.round_steps_per_s)
+                if r.level != "O0" and r.speedup_range is not None and r.speedup_vs_O0:
+                    low, high = r.speedup_range
+                    out[f"{r.level}/O0"] = (high - low) / r.speedup_vs_O0
+        return out
 
 
 def _finite_or_none(obj: Any) -> Any:
@@ -214,44 +205,78 @@ def _derive(results: list[LevelResult]) -> None:
     for r in results:
         if not r.ok:
             continue
-        if base.steps_per_s and r.steps_per_s:
-            r.speedup_vs_O0 = r.steps_per_s / base.steps_per_s
+        # Ratios within a round: both levels ran minutes apart at most, under the same load.
+        ratios = [a / b for a, b in zip(r.round_steps_per_s, base.round_steps_per_s) if b > 0]
+        measured = r.steps_per_s is not None and base.steps_per_s is not None
+        if measured and len(ratios) >= machine.MIN_ROUNDS:
+            r.speedup_vs_O0 = statistics.median(ratios)
+            r.speedup_range = [min(ratios), max(ratios)]
         diffs = [abs(a - b) for a, b in zip(r.losses, base.losses)]
         r.max_abs_loss_diff_vs_O0 = max(diffs) if diffs else None
 
 
-def run_compare(job: dict[str, Any], levels: list[str], console=None) -> list[LevelResult]:
-    """Run every level in its own process, with a progress bar per level.
+def run_compare(job: dict[str, Any], levels: list[str], console=None,
+                progress_interval: float = 5.0) -> Comparison:
+    """Train every level in its own process, timed round-robin, with progress on ``console``.
 
     Args:
-        job (dict): ``model``, ``steps``, ``warmup``, ``batch_size``,
-            ``device``, ``half_dtype`` (``"bf16"``/``"fp16"``) and ``seed``.
+        job (dict): ``model``, ``steps``, ``warmup``, ``rounds``,
+            ``batch_size``, ``device``, ``half_dtype`` (``"bf16"``/``"fp16"``) and ``seed``.
         levels (list of str): a subset of :data:`LEVELS`.
-        console (rich.console.Console, optional): where the progress goes.
+        console (rich.console.Console, optional): where progress goes. Default: stdout.
+        progress_interval (float, optional): least seconds between plain
+            progress lines of one level when ``console`` is not a terminal. Default: 5.
 
     Returns:
-        list of LevelResult: in the order of ``levels``, with the O0-relative
-        figures filled in when O0 ran.
-    """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        Comparison: the results, the host, the load and the warnings.
 
-    results = []
-    columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
-    with Progress(*columns, console=console) as progress:
-        tasks = {lv: progress.add_task(lv, total=job["steps"], start=False, info="waiting")
-                 for lv in levels}
-        for lv in levels:
-            progress.start_task(tasks[lv])
-            progress.update(tasks[lv], info="starting")
-            r = _run_level(lv, job, progress, tasks[lv])
-            info = (f"[green]{r.steps_per_s:.2f} steps/s, final loss {r.final_loss:.4f}"
-                    if r.ok and r.steps_per_s else "[green]done" if r.ok else "[red]FAILED")
-            progress.update(tasks[lv], info=info)
-            progress.stop_task(tasks[lv])
-            results.append(r)
+    Example::
+
+        >>> job = dict(model="mlp", steps=20, warmup=2, rounds=6, batch_size=None,
+        ...            device="cpu", half_dtype="bf16", seed=0)
+        >>> comparison = run_compare(job, ["O0", "O2"])
+        >>> comparison.results[1].speedup_vs_O0
+        1.8
+    """
+    from rich.console import Console
+
+    console = console or Console()
+    spec = JobSpec(job["model"], device=job["device"], half_dtype=job["half_dtype"],
+                   seed=job["seed"], batch_size=job["batch_size"], report_steps=True)
+    rounds = split_steps(job["steps"] - job["warmup"], job["rounds"])
+    load = machine.LoadMonitor().start()
+    with make_progress(levels, job["steps"], console, "compare", progress_interval) as progress:
+        failed: set[str] = set()
+
+        def tell_failures(records: dict[str, LevelRecord]) -> None:
+            for lv, rec in records.items():
+                if not rec.ok and lv not in failed:
+                    failed.add(lv)
+                    progress.status(lv, "FAILED", done=True)
+
+        def ready(records: dict[str, LevelRecord]) -> None:
+            tell_failures(records)
+            for lv, rec in records.items():
+                if rec.ok:
+                    progress.status(lv, "ready")
+
+        records = measure(spec, levels, job["warmup"], rounds, on_step=progress.step,
+                          on_round=lambda r, recs: tell_failures(recs), on_ready=ready)
+        results = [LevelResult.from_record(records[lv]) for lv in levels]
+        for r in results:
+            if r.ok:
+                speed = f"{r.steps_per_s:.2f} steps/s, " if r.steps_per_s is not None else ""
+                progress.status(r.level, f"done: {speed}final loss {r.final_loss:.4f}", done=True)
+    load.stop()
     _derive(results)
-    return results
+    threads = next((r.threads for r in results if r.threads), torch.get_num_threads())
+    host = machine.HostFacts.collect(job["device"], threads)
+    comparison = Comparison(results, host, load, rounds)
+    comparison.warnings = machine.reliability_warnings(load, comparison.spreads(), host.cpus)
+    return comparison
+
+
+# --------------------------------------------------------------------------- output
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -262,31 +287,51 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def _with_range(value: float | None, bounds: list[float] | None, spec: str,
+                suffix: str = "") -> str:
+    if value is None:
+        return "n/a"
+    text = f"{value:{spec}}{suffix}"
+    if bounds is not None:
+        text += f" ({bounds[0]:{spec}}-{bounds[1]:{spec}})"
+    return text
+
+
 def _memory(r: LevelResult) -> str:
     if r.peak_memory_bytes is None:
         return "-"
     return f"{r.peak_memory_bytes / 2**20:.0f} MiB"
 
 
-def render_table(results: list[LevelResult], title: str):
-    """A :class:`rich.table.Table` of the results, one row per level."""
+def render_table(comparison: Comparison, title: str):
+    """A :class:`rich.table.Table`: a row per level, the conditions in its caption."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    headers = ("level", "steps/s", "speed-up", "peak mem", "final loss", "max |Δloss|", "skipped",
-               "scale")
+    headers = ("level", "steps/s (min-max)", "speed-up (min-max)", "peak mem", "final loss",
+               "max |Δloss|", "skipped", "scale")
     rows = []
-    for r in results:
+    for r in comparison.results:
         if not r.ok:
             rows.append([r.level, *["-"] * 6, "[red]FAILED"])
             continue
         rows.append([
-            r.level, _fmt(r.steps_per_s, ".2f"), _fmt(r.speedup_vs_O0, ".2f", "x"), _memory(r),
+            r.level, _with_range(r.steps_per_s, r.steps_per_s_range, ".2f"),
+            _with_range(r.speedup_vs_O0, None if r.level == "O0" else r.speedup_range, ".2f", "x"),
+            _memory(r),
             _fmt(r.final_loss, ".4f"), _fmt(r.max_abs_loss_diff_vs_O0, ".2e"), str(len(r.skipped)),
             _fmt(r.final_loss_scale, "g")])
+    warmup = next((r.warmup_steps for r in comparison.results if r.ok), 0)
+    caption = [f"{len(comparison.rounds)} timed rounds of {_steps_per_round(comparison.rounds)} "
+               f"steps per level after {warmup} warm-up steps; speeds are medians over rounds, "
+               "speed-up and max |Δloss| are against O0 (per round, per step)",
+               comparison.host.line(), comparison.load.line()]
+    if len(comparison.rounds) < machine.MIN_ROUNDS:
+        caption.append(f"n/a: a speed needs at least {machine.MIN_ROUNDS} timed rounds, this run "
+                       f"had {len(comparison.rounds)} (raise --steps or --rounds)")
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                  caption="speed-up and max |Δloss| are against O0, step by step")
+                  caption="\n".join(caption))
     for i, name in enumerate(headers):
         # Wide enough for every cell, so a narrow terminal never turns numbers into ellipses.
         width = max([len(name)] + [len(Text.from_markup(row[i]).plain) for row in rows])
@@ -296,13 +341,26 @@ def render_table(results: list[LevelResult], title: str):
     return table
 
 
-def write_plot(results: list[LevelResult], path: Path, title: str) -> None:
-    """Write a PNG: loss against step (top) and loss scale against step (bottom, log2 axis).
+def _steps_per_round(rounds: list[int]) -> str:
+    if not rounds:
+        return "0"
+    return str(rounds[0]) if min(rounds) == max(rounds) else f"{min(rounds)}-{max(rounds)}"
 
-    Skipped steps are marked with an ``x`` on the loss curve.
+
+_STYLES = {"O0": ("black", "-", 2.2), "O1": ("tab:blue", "-", 1.4), "O2": ("tab:orange", "-", 1.4),
+           "O3": ("tab:red", "-", 1.4), "autocast": ("tab:green", "--", 1.6)}
+
+
+def write_plot(comparison: Comparison, path: Path, title: str) -> None:
+    """Write a PNG: loss and loss scale against step, speed and memory per level with their spread.
+
+    Skipped steps are marked with an ``x`` on the loss curve. The speed panel
+    shows each level's median steps/s as a bar, the min-max over rounds as
+    an error bar and every round as a dot; the memory panel the peak as a
+    bar and every round's peak as a dot.
 
     Args:
-        results (list of LevelResult): the levels; failed ones are left out.
+        comparison (Comparison): the run; failed levels are left out.
         path (Path): the PNG to write.
         title (str): the figure's title.
     """
@@ -311,14 +369,14 @@ def write_plot(results: list[LevelResult], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True,
-                                            gridspec_kw={"height_ratios": [3, 1.4]})
-    styles = {"O0": ("black", "-", 2.2), "O1": ("tab:blue", "-", 1.4), "O2": ("tab:orange", "-", 1.4),
-              "O3": ("tab:red", "-", 1.4), "autocast": ("tab:green", "--", 1.6)}
+    results = [r for r in comparison.results if r.ok]
+    fig = plt.figure(figsize=(9, 10.5))
+    grid = fig.add_gridspec(3, 2, height_ratios=[3, 1.4, 2])
+    ax_loss = fig.add_subplot(grid[0, :])
+    ax_scale = fig.add_subplot(grid[1, :], sharex=ax_loss)
+    ax_speed, ax_mem = fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1])
     for r in results:
-        if not r.ok:
-            continue
-        color, ls, lw = styles.get(r.level, (None, "-", 1.4))
+        color, ls, lw = _STYLES.get(r.level, (None, "-", 1.4))
         steps = range(len(r.losses))
         ax_loss.plot(steps, r.losses, color=color, ls=ls, lw=lw, label=r.level)
         if r.skipped:
@@ -326,10 +384,10 @@ def write_plot(results: list[LevelResult], path: Path, title: str) -> None:
                          label=f"{r.level} skipped step")
         ax_scale.step(steps, r.loss_scales, where="post", color=color, ls=ls, lw=lw, label=r.level)
     ax_loss.set_ylabel("training loss")
-    ax_loss.set_title(title)
+    ax_loss.set_title(title, fontsize=10)
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(ncol=2, fontsize=9)
-    scales = {v for r in results if r.ok for v in r.loss_scales}
+    scales = {v for r in results for v in r.loss_scales}
     if len(scales) == 1:
         # A flat line reads as "nothing plotted"; say what it means.
         ax_scale.text(0.5, 0.75, f"loss scale {scales.pop():g} throughout, at every level",
@@ -338,85 +396,228 @@ def write_plot(results: list[LevelResult], path: Path, title: str) -> None:
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_xlabel("step")
     ax_scale.grid(alpha=0.3)
-    fig.tight_layout()
+    _spread_panel(ax_speed, results, lambda r: r.round_steps_per_s, lambda r: r.steps_per_s,
+                  "steps/s (median, min-max, rounds)", 1.0)
+    if len(comparison.rounds) < machine.MIN_ROUNDS:
+        ax_speed.text(0.5, 0.5, f"fewer than {machine.MIN_ROUNDS} timed rounds:\nno speed figures",
+                      transform=ax_speed.transAxes, ha="center", va="center", color="dimgray")
+    _spread_panel(ax_mem, results, lambda r: r.round_peak_bytes, lambda r: r.peak_memory_bytes,
+                  "peak memory, MiB (peak, rounds)", 2**20)
+    if comparison.warnings:
+        reasons = "; ".join(w.split(":")[0] for w in comparison.warnings)
+        fig.text(0.5, 0.005, f"warning, speed ratios unreliable: {reasons}", ha="center",
+                 va="bottom", fontsize=7, color="tab:red", wrap=True)
+    fig.tight_layout(rect=(0, 0.03 if comparison.warnings else 0, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _spread_panel(ax, results: list[LevelResult], rounds_of, value_of, label: str,
+                  unit: float) -> None:
+    for i, r in enumerate(results):
+        color = _STYLES.get(r.level, (None,))[0]
+        rounds = [v / unit for v in rounds_of(r)]
+        value = value_of(r)
+        if value is not None:
+            value /= unit
+            ax.bar(i, value, color=color, alpha=0.35, width=0.6)
+            if rounds:
+                ax.errorbar(i, value, yerr=[[value - min(rounds)], [max(rounds) - value]],
+                            color=color, capsize=4, lw=1.2)
+        if rounds:
+            ax.plot([i] * len(rounds), rounds, ".", color=color, ms=4)
+    ax.set_xticks(range(len(results)), [r.level for r in results])
+    ax.set_ylabel(label, fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3, axis="y")
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _level(text: str) -> str:
+    for name in LEVELS:
+        if text.lower() == name.lower():
+            return name
+    raise argparse.ArgumentTypeError(f"invalid level {text!r} (choose from {', '.join(LEVELS)})")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the ``compare`` subcommand."""
     p = subparsers.add_parser(
-        "compare", help="train a model under O0-O3 and torch.autocast and compare speed, memory, loss",
-        description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "compare",
+        help="train a model under O0-O3 and torch.autocast and compare speed, memory, loss",
+        description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="lm", metavar="NAME|MODULE:FACTORY",
                    help="lm (default), mlp, convnet, or pkg.module:factory")
-    p.add_argument("--steps", type=int, default=100, help="training steps per level (default: 100)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"steps per level (default: {DEMO_STEPS}, {FULL_STEPS} with --full)")
+    p.add_argument("--full", action="store_true",
+                   help=f"the full-size run of docs/compare.md: {FULL_STEPS} steps per level")
     p.add_argument("--warmup", type=int, default=None,
-                   help="first steps left out of steps/s (default: min(3, steps // 4))")
+                   help="untimed steps per level before the rounds (default: steps // 10, 1 to 5)")
+    p.add_argument("--rounds", type=int, default=8,
+                   help="timed rounds the remaining steps are split into (default: 8)")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the model's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--half-dtype", choices=sorted(HALF_DTYPES), default=None,
                    help="the half type (default: fp16 on CUDA, bf16 on CPU)")
-    p.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS), metavar="LEVEL",
-                   help=f"levels to run, from {' '.join(LEVELS)} (default: all)")
+    p.add_argument("--levels", nargs="+", type=_level, default=None, metavar="LEVEL",
+                   help=f"levels to run, from {' '.join(LEVELS)} (default: all; autocast is "
+                        "left out on a CPU without native half)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default: 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", type=Path, metavar="PATH", help="write loss and loss-scale curves as PNG")
+    p.add_argument("--plot", type=Path, metavar="PATH",
+                   help="write loss, loss-scale, speed and memory panels as PNG")
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="write table.txt, results.json and compare.png into DIR")
-    p.set_defaults(func=_main)
+    p.add_argument("--progress-interval", type=float, default=5.0, metavar="S",
+                   help="seconds between progress lines of a level when stdout is not a terminal "
+                        "(default: 5)")
+    p.set_defaults(func=_main, parser=p)
     return p
+
+
+def check_model(spec: str) -> None:
+    """Check in this process that ``spec`` names a usable model factory.
+
+    A built-in name passes. ``pkg.module:factory`` is imported and its
+    signature checked: every parameter without a default must be one that
+    compare passes (``device``, ``batch_size``, ``seed``).
+
+    Args:
+        spec (str): the ``--model`` value.
+
+    Raises:
+        UsageError: naming what is wrong, the expected syntax and the factory's contract.
+    """
+    if spec in models.BUILTIN:
+        return
+    expected = (f"expected a built-in model ({', '.join(models.BUILTIN)}) or pkg.module:factory, "
+                f"where {_MODEL_CONTRACT}")
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--model {spec!r}: {expected}")
+    try:
+        factory = models.resolve(spec)
+    except ImportError as exc:
+        raise UsageError(f"--model {spec!r}: cannot import module {module_name!r} ({exc}); the "
+                         f"working directory is on the path. {expected}") from None
+    except AttributeError:
+        raise UsageError(f"--model {spec!r}: module {module_name!r} has no attribute {attr!r}; "
+                         f"{expected}") from None
+    except TypeError as exc:
+        raise UsageError(f"--model {spec!r}: {exc}; {expected}") from None
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    passed = {"device", "batch_size", "seed"}
+    needed = [name for name, p in signature.parameters.items()
+              if p.default is inspect.Parameter.empty and name not in passed
+              and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if needed:
+        raise UsageError(f"--model {spec!r}: the factory {attr}{signature} needs "
+                         f"{', '.join(needed)}, which compare cannot pass; "
+                         f"expected {_MODEL_CONTRACT}")
+
+
+def validate(ns: argparse.Namespace) -> dict[str, Any]:
+    """Check every option before any process starts; return the job.
+
+    Raises:
+        UsageError: a bad value, with what was expected.
+    """
+    steps = ns.steps if ns.steps is not None else (FULL_STEPS if ns.full else DEMO_STEPS)
+    if steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {steps}")
+    if ns.rounds < 1:
+        raise UsageError(f"--rounds must be at least 1, got {ns.rounds}")
+    if ns.warmup is not None and not 0 <= ns.warmup < steps:
+        raise UsageError(f"--warmup must be at least 0 and less than --steps ({steps}), "
+                         f"got {ns.warmup}")
+    if ns.batch_size is not None and ns.batch_size < 1:
+        raise UsageError(f"--batch-size must be at least 1, got {ns.batch_size}")
+    if ns.progress_interval < 0:
+        raise UsageError(f"--progress-interval must not be negative, got {ns.progress_interval}")
+    device = (parse_device(ns.device) if ns.device else
+              torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if ns.out is not None:
+        check_output_dir(ns.out)
+    for option, path in (("--json", ns.json), ("--plot", ns.plot)):
+        if path is not None:
+            check_output_file(path, option)
+    # As with `python -m`, modules in the working directory can name a --model factory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    check_model(ns.model)
+    warmup = ns.warmup if ns.warmup is not None else min(5, max(1, steps // 10)) if steps > 1 else 0
+    half = ns.half_dtype or ("fp16" if device.type == "cuda" else "bf16")
+    return dict(model=ns.model, steps=steps, warmup=warmup, rounds=ns.rounds,
+                batch_size=ns.batch_size, device=str(device), half_dtype=half, seed=ns.seed)
 
 
 def _main(ns: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.panel import Panel
 
+    job = validate(ns)
     console = Console()
-    if ns.steps < 1:
-        console.print("[red]--steps must be at least 1")
-        return 2
-    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    half = ns.half_dtype or ("fp16" if device.type == "cuda" else "bf16")
-    if half == "fp16" and device.type == "cpu":
-        console.print("[yellow]fp16 on CPU has no fast kernels on most CPUs and can be hundreds of "
-                      "times slower than fp32; bf16 is the CPU half type.")
-    levels = list(dict.fromkeys(ns.levels))
-    warmup = min(3, ns.steps // 4) if ns.warmup is None else max(0, min(ns.warmup, ns.steps - 1))
-    job = dict(model=ns.model, steps=ns.steps, warmup=warmup, batch_size=ns.batch_size,
-               device=str(device), half_dtype=half, seed=ns.seed)
-    # As with `python -m`, modules in the working directory can name a --model factory.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if not console.is_terminal:
+        # A log file has no width; 80 columns would crop the table.
+        console = Console(width=max(console.width, 132))
+    host = machine.HostFacts.collect(job["device"])
+    notes = [note for note in (machine.cpu_half_banner(host, job["half_dtype"]),) if note]
+    levels = list(dict.fromkeys(ns.levels or LEVELS))
+    if ns.levels is None and machine.autocast_is_slow(host, job["half_dtype"]):
+        # amp_patch emulates half matmuls for its own levels only; torch.autocast would take
+        # many times O0's time here and hold up the whole comparison.
+        levels.remove("autocast")
+        notes.append(f"torch.autocast is left out: this CPU has no native {job['half_dtype']} "
+                     "matmul, and autocast is torch's own, which amp_patch does not emulate, so "
+                     "its steps would take many times O0's. Name it in --levels to run it anyway.")
+    for note in notes:
+        console.print(Panel(note, title="CPU half precision", border_style="yellow"))
 
     started = time.perf_counter()
-    results = run_compare(job, levels, console)
+    comparison = run_compare(job, levels, console, ns.progress_interval)
     elapsed = time.perf_counter() - started
-    title = (f"amp-patch compare: model {ns.model}, {ns.steps} steps, {device}, {half}, "
-             f"torch {torch.__version__}")
-    table = render_table(results, title)
+    title = (f"amp-patch compare: model {job['model']}, {job['steps']} steps, {job['device']}, "
+             f"{job['half_dtype']}, torch {torch.__version__}")
+    table = render_table(comparison, title)
     console.print(table)
+    warning = ("Speed ratios unreliable:\n- " + "\n- ".join(comparison.warnings)
+               if comparison.warnings else None)
+    if warning:
+        console.print(Panel(warning, title="warning", border_style="red"))
     console.print(f"{len(levels)} levels in {elapsed:.0f} s. Peak memory: "
-                  + ("torch.cuda.max_memory_allocated." if device.type == "cuda" else
+                  + ("torch.cuda.max_memory_allocated." if job["device"].startswith("cuda") else
                      "peak anonymous resident memory (heap) while training, above the "
                      "process's before the model was built."))
-    for r in results:
+    for r in comparison.results:
         if not r.ok:
             console.print(Panel(r.error or "unknown error", title=f"[red]{r.level} failed",
                                 border_style="red"))
 
-    payload = {"config": dict(job, levels=levels, torch=torch.__version__,
-                              threads=torch.get_num_threads(), elapsed_s=elapsed),
-               "levels": {r.level: r.to_json() for r in results}}
+    payload = {"config": dict(job, levels=levels, round_steps=comparison.rounds,
+                              torch=torch.__version__, threads=comparison.host.threads,
+                              elapsed_s=elapsed),
+               "machine": comparison.host.as_dict(), "load": comparison.load.as_dict(),
+               "cpu_half_plan": machine.cpu_half_plan(host, job["half_dtype"]),
+               "warnings": comparison.warnings, "notes": notes,
+               "levels": {r.level: r.to_json() for r in comparison.results}}
     json_paths = [ns.json] if ns.json else []
     plot_paths = [ns.plot] if ns.plot else []
     if ns.out:
-        ns.out.mkdir(parents=True, exist_ok=True)
         json_paths.append(ns.out / "results.json")
         plot_paths.append(ns.out / "compare.png")
         buf = io.StringIO()
-        Console(file=buf, width=120, color_system=None).print(table)
+        text_console = Console(file=buf, width=120, color_system=None)
+        text_console.print(table)
+        if warning:
+            text_console.print(Panel(warning, title="warning"))
         (ns.out / "table.txt").write_text(buf.getvalue())
         console.print(f"wrote {ns.out / 'table.txt'}")
     for path in json_paths:
@@ -424,6 +625,6 @@ def _main(ns: argparse.Namespace) -> int:
         path.write_text(json.dumps(payload, indent=2))
         console.print(f"wrote {path}")
     for path in plot_paths:
-        write_plot(results, path, title.replace("amp-patch compare: ", ""))
+        write_plot(comparison, path, title.replace("amp-patch compare: ", ""))
         console.print(f"wrote {path}")
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if all(r.ok for r in comparison.results) else 1

@@ -9,15 +9,18 @@ from pathlib import Path
 
 import amp_patch
 from amp_patch.cli import compare, run
+from amp_patch.cli.options import UsageError
 
 __all__ = ["main", "build_parser"]
 
 EPILOG = """\
 examples:
-  amp-patch compare                        # O0-O3 and torch.autocast on the built-in LM, ~1 min on CPU
+  amp-patch compare                        # O0-O3 and torch.autocast on the built-in LM
+  amp-patch compare --full --out out/      # the docs/compare.md run: 100 steps, table, JSON, PNG
   amp-patch compare --model mlp --steps 50 --out out/
   amp-patch compare --model mypkg.models:make_workload --levels O0 O2 --json results.json
   amp-patch run train.py --epochs 1        # an unchanged `from apex import amp` script
+  amp-patch run --device cpu main_amp.py   # a GPU script (.cuda(), streams, nccl) on the CPU
   amp-patch bench                          # kernel and end-to-end benchmarks (source checkout)
 
 `amp-patch COMMAND --help` describes each command. Docs: docs/ in the repository.
@@ -55,7 +58,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--only", nargs="+", metavar="NAME",
                    choices=[b[len("bench_"):-len(".py")] for b in BENCHMARKS],
                    help="run only these (kernels, overhead, o2_step, e2e)")
-    p.set_defaults(func=_bench)
+    p.set_defaults(func=_bench, parser=p)
 
 
 def _bench(ns: argparse.Namespace) -> int:
@@ -88,4 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         int: the exit status.
     """
     ns = build_parser().parse_args(argv)
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except UsageError as exc:
+        # argparse's convention for bad options: usage, the message, exit status 2.
+        ns.parser.error(str(exc))

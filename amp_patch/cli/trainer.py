@@ -154,6 +154,11 @@ class CpuPeak:
         if self.baseline is not None:
             self.peak = max(self.peak, _anon_rss_bytes() or 0)
 
+    def restart(self) -> None:
+        """Start a new peak from the current memory (the baseline stays)."""
+        if self.baseline is not None:
+            self.peak = _anon_rss_bytes() or self.baseline
+
     def delta(self) -> int:
         """Bytes of peak memory above the baseline."""
         if self.baseline is not None:

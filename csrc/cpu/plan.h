@@ -107,25 +107,34 @@ inline void* offset(void* p, Dt dt, int64_t i) {
   return static_cast<char*>(p) + i * dt_size(dt);
 }
 
-// The work of one call: its jobs, the temporaries they point into, and the
-// spans grouped into tasks of kTaskElems elements taken across all jobs, so
-// that 200 small tensors and one huge tensor parallelise alike.
-class Plan {
+// Pieces of many flat runs of memory (run j has numel(j) elements) grouped into
+// tasks of kTaskElems elements taken across runs, so that 200 small tensors and
+// one huge tensor parallelise alike. Plan's work split; the optimizer kernels
+// (optim_ops.cpp) split their rows of several lists with it too.
+class Tasks {
  public:
-  // dst may be absent (read-only ops) or the same list as src (in-place ops).
-  Plan(const char* op, at::TensorList src, std::optional<at::TensorList> dst, bool in_place) {
-    if (dst) {
-      TORCH_CHECK(src.size() == dst->size(), "amp_patch::", op, ": list lengths differ (",
-                  src.size(), " vs ", dst->size(), ")");
+  template <typename NumelOf>
+  void cut(size_t runs, const NumelOf& numel) {
+    task_begin_.push_back(0);
+    int64_t room = kTaskElems;
+    for (size_t j = 0; j < runs; ++j) {
+      const int64_t n = numel(j);
+      for (int64_t off = 0; off < n;) {
+        const int64_t len = std::min(room, n - off);
+        spans_.push_back({static_cast<int64_t>(j), off, off + len});
+        off += len;
+        room -= len;
+        if (room == 0) {
+          task_begin_.push_back(static_cast<int64_t>(spans_.size()));
+          room = kTaskElems;
+        }
+      }
     }
-    jobs_.resize(src.size());
-    for (size_t i = 0; i < src.size(); ++i) {
-      add_job(op, i, src[i], dst && !in_place ? &(*dst)[i] : nullptr, dst.has_value());
+    if (task_begin_.back() != static_cast<int64_t>(spans_.size())) {
+      task_begin_.push_back(static_cast<int64_t>(spans_.size()));
     }
-    cut_tasks();
   }
 
-  const std::vector<Job>& jobs() const { return jobs_; }
   const std::vector<Span>& spans() const { return spans_; }
 
   // Runs f(span_index, span) -> bool over every span, in parallel across tasks.
@@ -158,6 +167,37 @@ class Plan {
       at::parallel_for(0, nworkers, 1, worker);
     }
     return flagged.load(std::memory_order_relaxed);
+  }
+
+ private:
+  std::vector<Span> spans_;
+  std::vector<int64_t> task_begin_;
+};
+
+// The work of one call: its jobs, the temporaries they point into, and the
+// spans grouped into tasks (Tasks).
+class Plan {
+ public:
+  // dst may be absent (read-only ops) or the same list as src (in-place ops).
+  Plan(const char* op, at::TensorList src, std::optional<at::TensorList> dst, bool in_place) {
+    if (dst) {
+      TORCH_CHECK(src.size() == dst->size(), "amp_patch::", op, ": list lengths differ (",
+                  src.size(), " vs ", dst->size(), ")");
+    }
+    jobs_.resize(src.size());
+    for (size_t i = 0; i < src.size(); ++i) {
+      add_job(op, i, src[i], dst && !in_place ? &(*dst)[i] : nullptr, dst.has_value());
+    }
+    tasks_.cut(jobs_.size(), [&](size_t j) { return jobs_[j].numel; });
+  }
+
+  const std::vector<Job>& jobs() const { return jobs_; }
+  const std::vector<Span>& spans() const { return tasks_.spans(); }
+
+  // Runs f(span_index, span) -> bool over every span (see Tasks::run).
+  template <typename F>
+  bool run(const F& f) const {
+    return tasks_.run(f);
   }
 
   // Copies slow-path outputs back into the caller's tensors.
@@ -225,30 +265,8 @@ class Plan {
     return kept_.back();
   }
 
-  void cut_tasks() {
-    task_begin_.push_back(0);
-    int64_t room = kTaskElems;
-    for (size_t j = 0; j < jobs_.size(); ++j) {
-      const int64_t n = jobs_[j].numel;
-      for (int64_t off = 0; off < n;) {
-        const int64_t len = std::min(room, n - off);
-        spans_.push_back({static_cast<int64_t>(j), off, off + len});
-        off += len;
-        room -= len;
-        if (room == 0) {
-          task_begin_.push_back(static_cast<int64_t>(spans_.size()));
-          room = kTaskElems;
-        }
-      }
-    }
-    if (task_begin_.back() != static_cast<int64_t>(spans_.size())) {
-      task_begin_.push_back(static_cast<int64_t>(spans_.size()));
-    }
-  }
-
   std::vector<Job> jobs_;
-  std::vector<Span> spans_;
-  std::vector<int64_t> task_begin_;
+  Tasks tasks_;
   // A deque, so references to earlier temporaries stay valid as it grows.
   std::deque<at::Tensor> kept_;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;

@@ -10,6 +10,7 @@
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 #include "cpu/vec_loops.h"
+#include "cpu/optim_loops.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif

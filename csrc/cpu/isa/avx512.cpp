@@ -26,6 +26,7 @@
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
 #include "cpu/vec_loops.h"
+#include "cpu/optim_loops.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif

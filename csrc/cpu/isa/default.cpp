@@ -3,3 +3,4 @@
 // for the baseline ISA. See vec_loops.h for how the ISA copies coexist.
 #define CPU_CAPABILITY DEFAULT
 #include "cpu/vec_loops.h"
+#include "cpu/optim_loops.h"

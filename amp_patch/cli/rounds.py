@@ -1,0 +1,416 @@
+"""Opt levels trained side by side in persistent processes and timed round-robin.
+
+``amp-patch compare`` and ``benchmarks/bench_e2e.py`` measure the same way,
+through :func:`measure`:
+
+- each level lives in its own spawned process for the whole measurement,
+  so that O1's patches and one level's memory never touch another's;
+- every process builds the same workload from the same seed, then trains
+  ``warmup`` untimed steps;
+- then come the timed rounds: in each, every level in turn trains its
+  chunk of steps while the others wait, so that what else runs on the
+  machine falls on all levels alike; the first level of a round rotates,
+  so that none is always first;
+- each step is timed on its own (batch creation left out, the device
+  synchronised), and each round's peak memory is taken.
+
+A level's speed is then the median over rounds, with the min-max over
+rounds as its spread (:class:`LevelRecord`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from amp_patch.cli.trainer import HALF_DTYPES, CpuPeak, LevelTrainer
+
+__all__ = ["JobSpec", "LevelRecord", "LevelPool", "measure", "split_steps", "median_step_seconds"]
+
+#: How long the parent waits between checks that a silent level process is still alive.
+_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every level process builds and how it trains. Picklable.
+
+    Args:
+        model (str or callable): a built-in model name, ``"pkg.module:factory"``
+            or a picklable factory (see :mod:`amp_patch.cli.models`).
+        device (str, optional): Default: ``"cpu"``.
+        half_dtype (str, optional): ``"bf16"`` or ``"fp16"``. Default: ``"bf16"``.
+        seed (int, optional): seeds the weights and data. Default: 0.
+        batch_size (int, optional): Default: the factory's own.
+        threads (int, optional): ``torch.set_num_threads`` in each level
+            process. Default: torch's default.
+        cycle_batches (int, optional): 0 trains step ``k`` on ``batch_fn(k)``
+            (a loss curve over fresh batches); ``n > 0`` builds ``n`` batches
+            once and cycles through them (a benchmark that times only the
+            step). Default: 0.
+        report_steps (bool, optional): send every step's loss to the parent
+            as it happens (for progress). Default: False.
+        env (tuple of (str, str or None), optional): environment variables
+            set (or, for None, unset) in the level processes at start
+            (allocator settings, say). Default: none.
+    """
+
+    model: Any
+    device: str = "cpu"
+    half_dtype: str = "bf16"
+    seed: int = 0
+    batch_size: int | None = None
+    threads: int | None = None
+    cycle_batches: int = 0
+    report_steps: bool = False
+    env: tuple[tuple[str, str | None], ...] = ()
+
+
+@dataclass
+class LevelRecord:
+    """Everything one level's process reported.
+
+    Attributes:
+        level (str): the level.
+        error (str or None): the traceback (or how the process died), when it failed.
+        threads (int or None): torch threads the process ran with.
+        memory_kind (str): ``"cuda_max_allocated"`` or ``"cpu_peak_anon_rss_delta"``.
+        warmup_steps (int): untimed steps before the first round.
+        losses (list of float): the loss of every step, warm-up included.
+        loss_scales (list of float): the loss scale after every step.
+        skipped (list of int): steps whose optimizer step was skipped.
+        round_steps (list of int): steps trained in each timed round.
+        round_seconds (list of float): time of each timed round (the sum of its steps' times).
+        round_peak_bytes (list of int): peak memory within each timed round.
+        step_seconds (list of float): every timed step's time, in order.
+        peak_bytes (int or None): peak memory over the whole run, warm-up included.
+    """
+
+    level: str
+    error: str | None = None
+    threads: int | None = None
+    memory_kind: str = ""
+    warmup_steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    round_steps: list[int] = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)
+    round_peak_bytes: list[int] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def round_speeds(self) -> list[float]:
+        """Steps per second in each timed round."""
+        return [n / s for n, s in zip(self.round_steps, self.round_seconds) if s > 0]
+
+    def add_chunk(self, chunk: dict[str, Any], timed: bool) -> None:
+        """Append a chunk of steps reported by the level's process."""
+        self.losses += chunk["losses"]
+        self.loss_scales += chunk["scales"]
+        self.skipped += chunk["skipped"]
+        if chunk["peak_bytes"] is not None:
+            self.peak_bytes = max(self.peak_bytes or 0, chunk["peak_bytes"])
+        if timed:
+            self.round_steps.append(len(chunk["seconds"]))
+            self.round_seconds.append(sum(chunk["seconds"]))
+            self.step_seconds += chunk["seconds"]
+            if chunk["peak_bytes"] is not None:
+                self.round_peak_bytes.append(chunk["peak_bytes"])
+        else:
+            self.warmup_steps += len(chunk["seconds"])
+
+
+def split_steps(steps: int, rounds: int) -> list[int]:
+    """``steps`` split into ``min(rounds, steps)`` near-equal chunks, larger ones first.
+
+    Example::
+
+        >>> split_steps(10, 4)
+        [3, 3, 2, 2]
+    """
+    rounds = max(0, min(rounds, steps))
+    if rounds == 0:
+        return []
+    base, extra = divmod(steps, rounds)
+    return [base + (i < extra) for i in range(rounds)]
+
+
+# --------------------------------------------------------------------------- the level process
+
+
+class _Memory:
+    """Peak memory within a chunk of steps: CUDA's allocator peak, or the CPU heap's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = CpuPeak()
+        self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_peak_anon_rss_delta"
+
+    def begin(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.cpu.restart()
+
+    def end(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, self.cpu.delta())
+
+
+def _serve(conn, level: str, spec: JobSpec) -> None:
+    """A level's process: build the workload, then train chunks of steps when the parent asks."""
+    try:
+        from amp_patch.cli import models
+
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        device = torch.device(spec.device)
+        memory = _Memory(device)  # its CPU baseline is taken before the model exists
+        torch.manual_seed(spec.seed)
+        factory = models.resolve(spec.model) if isinstance(spec.model, str) else spec.model
+        model, optimizer, batch_fn, loss_fn = models.build(factory, device, spec.batch_size,
+                                                           spec.seed)
+        trainer = LevelTrainer(level, model, optimizer, loss_fn, device,
+                               HALF_DTYPES[spec.half_dtype], sample=memory.cpu.sample)
+        cached = [batch_fn(i) for i in range(spec.cycle_batches)]
+        torch.manual_seed(spec.seed)  # what the model's own randomness (dropout) draws from
+        conn.send(("ready", {"threads": torch.get_num_threads(), "memory_kind": memory.kind}))
+        step = 0
+        while True:
+            cmd, n = conn.recv()
+            if cmd == "stop":
+                trainer.close()
+                conn.send(("stopped", None))
+                return
+            chunk: dict[str, Any] = {"losses": [], "scales": [], "skipped": [], "seconds": []}
+            memory.begin()
+            for _ in range(n):
+                batch = cached[step % len(cached)] if cached else batch_fn(step)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                loss = float(trainer.step(batch).float().item())  # the step's one sync
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                chunk["seconds"].append(time.perf_counter() - t0)
+                chunk["losses"].append(loss)
+                chunk["scales"].append(trainer.loss_scale)
+                if trainer.skipped:
+                    chunk["skipped"].append(step)
+                if spec.report_steps:
+                    conn.send(("step", (step, loss)))
+                step += 1
+            chunk["peak_bytes"] = memory.end()
+            conn.send(("chunk", chunk))
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, ValueError):
+            pass
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+@contextmanager
+def _environment(pairs: Sequence[tuple[str, str | None]]) -> Iterator[None]:
+    # Spawned processes read the environment at start; the parent's own is put back after.
+    # None unsets a variable, so that one the parent has does not reach the levels.
+    saved = {k: os.environ.get(k) for k, _ in pairs}
+    for k, v in pairs:
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class LevelPool:
+    """One persistent process per level, driven from the parent.
+
+    Args:
+        spec (JobSpec): what each process builds.
+        levels (sequence of str): the levels, one process each.
+        on_step (callable, optional): ``on_step(level, step, loss)`` for each
+            step, when ``spec.report_steps``.
+
+    Example::
+
+        >>> with LevelPool(JobSpec("mlp"), ["O0", "O2"]) as pool:
+        ...     pool.start()
+        ...     chunk = pool.train("O2", 5)
+    """
+
+    def __init__(self, spec: JobSpec, levels: Sequence[str],
+                 on_step: Callable[[str, int, float], None] | None = None) -> None:
+        self.spec = spec
+        self.levels = list(levels)
+        self.on_step = on_step
+        self.records = {lv: LevelRecord(lv) for lv in self.levels}
+        self._procs: dict[str, Any] = {}
+        self._conns: dict[str, Any] = {}
+
+    def __enter__(self) -> "LevelPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> list[str]:
+        """The levels whose process has not failed, in order."""
+        return [lv for lv in self.levels if self.records[lv].ok and lv in self._conns]
+
+    def start(self) -> None:
+        """Spawn every level's process (they build their models at once); wait for all."""
+        ctx = mp.get_context("spawn")
+        with _environment(self.spec.env):
+            for lv in self.levels:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(child, lv, self.spec), daemon=True,
+                                   name=f"amp-patch-{lv}")
+                proc.start()
+                child.close()
+                self._procs[lv], self._conns[lv] = proc, parent
+        for lv in self.levels:
+            reply = self._receive(lv, "ready")
+            if reply is not None:
+                self.records[lv].threads = reply["threads"]
+                self.records[lv].memory_kind = reply["memory_kind"]
+
+    def train(self, level: str, steps: int, timed: bool = True) -> bool:
+        """Have ``level`` train its next ``steps`` steps; add them to its record.
+
+        Returns:
+            bool: False when the level failed (its record holds the error).
+        """
+        if level not in self.alive:
+            return False
+        self._conns[level].send(("train", steps))
+        chunk = self._receive(level, "chunk")
+        if chunk is None:
+            return False
+        self.records[level].add_chunk(chunk, timed)
+        return True
+
+    def _receive(self, level: str, expected: str) -> Any:
+        conn, proc = self._conns[level], self._procs[level]
+        while True:
+            if not conn.poll(_POLL_S):
+                if proc.is_alive():
+                    continue
+                if not conn.poll(1.0):  # it may have written its last words just before exiting
+                    self._fail(level, f"the {level} process died with exit code {proc.exitcode} "
+                                      "and no traceback")
+                    return None
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                self._fail(level, f"the {level} process closed its pipe "
+                                  f"(exit code {proc.exitcode})")
+                return None
+            if kind == "step":
+                if self.on_step is not None:
+                    self.on_step(level, *payload)
+            elif kind == expected:
+                return payload
+            else:
+                self._fail(level, payload)
+                return None
+
+    def _fail(self, level: str, error: str) -> None:
+        self.records[level].error = error
+        proc = self._procs.pop(level)
+        self._conns.pop(level).close()
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.terminate()
+
+    def close(self) -> None:
+        """Stop every process (each undoes its amp state first) and wait for them."""
+        for lv in list(self._conns):
+            try:
+                self._conns[lv].send(("stop", 0))
+                self._receive(lv, "stopped")
+            except (OSError, BrokenPipeError):
+                pass
+        for lv, proc in list(self._procs.items()):
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+            self._conns.pop(lv).close()
+        self._procs.clear()
+
+
+def measure(spec: JobSpec, levels: Sequence[str], warmup: int, rounds: Sequence[int],
+            on_step: Callable[[str, int, float], None] | None = None,
+            on_round: Callable[[int, dict[str, LevelRecord]], None] | None = None,
+            on_ready: Callable[[dict[str, LevelRecord]], None] | None = None,
+            ) -> dict[str, LevelRecord]:
+    """Train every level in its own process; time them round-robin.
+
+    Args:
+        spec (JobSpec): the workload and how to train it.
+        levels (sequence of str): the levels.
+        warmup (int): untimed steps per level first.
+        rounds (sequence of int): steps per level in each timed round
+            (see :func:`split_steps`).
+        on_step (callable, optional): ``on_step(level, step, loss)``, when
+            ``spec.report_steps``.
+        on_round (callable, optional): ``on_round(r, records)`` after timed
+            round ``r`` (0-based) and, with ``r = -1``, after the warm-up.
+        on_ready (callable, optional): ``on_ready(records)`` once every
+            process has built its workload.
+
+    Returns:
+        dict: level to its :class:`LevelRecord`, in the order of ``levels``.
+        A level that failed has its ``error`` set; the others still ran.
+    """
+    with LevelPool(spec, levels, on_step) as pool:
+        pool.start()
+        if on_ready is not None:
+            on_ready(pool.records)
+        if warmup > 0:
+            for lv in pool.alive:
+                pool.train(lv, warmup, timed=False)
+            if on_round is not None:
+                on_round(-1, pool.records)
+        for r, steps in enumerate(rounds):
+            alive = pool.alive
+            if not alive:
+                break
+            k = r % len(alive)
+            for lv in alive[k:] + alive[:k]:
+                pool.train(lv, steps)
+            if on_round is not None:
+                on_round(r, pool.records)
+    return pool.records
+
+
+def median_step_seconds(record: LevelRecord) -> float | None:
+    """The median of a level's timed step times, or None when it has none."""
+    return statistics.median(record.step_seconds) if record.step_seconds else None

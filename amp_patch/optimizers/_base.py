@@ -1,0 +1,333 @@
+"""What the fused optimizers share: grad and master lookup, step flags, state, checkpoints.
+
+Each optimizer's ``step()`` groups the params of a param group that have a
+grad into :class:`_Batch` es (one per device, and apart for params whose
+updated value is also written into a half model copy), then makes one fused
+op call per batch. The op reads every grad, param and state tensor once and
+writes each once.
+
+Where a step reads its grads and what it writes besides the params can be
+redirected with :class:`FusedStepInputs`: that is the seam for amp's one-pass
+O2 step, in which the optimizer steps fp32 masters from the half model grads
+(times the inverse loss scale) and writes the half model params in the same
+pass, skipping everything when the overflow flag is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger("amp_patch")
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass
+class FusedStepInputs:
+    """Where a fused ``step()`` reads its grads and writes half copies, and its device flags.
+
+    Installed for one step with :meth:`FusedOptimizer.fused_step_inputs`. The
+    mappings are keyed by the tensors in ``param_groups`` (under amp's O2, the
+    fp32 masters).
+
+    Args:
+        grads (Mapping, optional): param -> the gradient to read instead of
+            ``param.grad`` (a half model grad, still multiplied by the loss
+            scale). A param found here is stepped even when its ``.grad`` is None.
+        model_params (Mapping, optional): param -> a tensor of the same shape
+            (the half model param) that receives the updated value, rounded, in
+            the same pass.
+        inv_scale (Tensor, optional): one-element fp32 tensor; grads are read
+            multiplied by it.
+        found_inf (Tensor, optional): one-element fp32 flag; when non-zero the
+            step changes nothing at all (params, state, model copies).
+
+    Example::
+
+        >>> inputs = FusedStepInputs(grads={master: p.grad}, model_params={master: p},
+        ...                          inv_scale=scaler_inv_scale, found_inf=scaler_found_inf)
+        >>> with optimizer.fused_step_inputs(inputs):
+        ...     optimizer.step()
+    """
+
+    grads: Mapping[Tensor, Tensor] | None = None
+    model_params: Mapping[Tensor, Tensor] | None = None
+    inv_scale: Tensor | None = None
+    found_inf: Tensor | None = None
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One op call's lists: the params as keyed in ``state``, the tensors stepped, grads, outputs."""
+
+    device: torch.device
+    keys: list[Tensor] = dataclasses.field(default_factory=list)
+    params: list[Tensor] = dataclasses.field(default_factory=list)
+    grads: list[Tensor] = dataclasses.field(default_factory=list)
+    model_params: list[Tensor] = dataclasses.field(default_factory=list)
+    noop: Tensor | None = None
+    inv_scale: Tensor | None = None
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base of amp_patch's fused optimizers: not used directly.
+
+    Subclasses implement ``step()`` with :meth:`_batches`, :meth:`_state_tensor`
+    and the ops of :mod:`amp_patch.ops`.
+
+    Args:
+        params (iterable): parameters or parameter groups.
+        defaults (dict): the per-group defaults.
+        set_grad_none (bool): what :meth:`zero_grad` does when called without
+            ``set_to_none``.
+        master_weights (bool): keep an fp32 master for each fp16/bf16 param
+            (in ``state[param]["master_param"]``) and step that.
+
+    Example::
+
+        >>> class FusedPlainSGD(FusedOptimizer):
+        ...     def __init__(self, params, lr):
+        ...         super().__init__(params, dict(lr=lr), set_grad_none=True)
+        ...     def _fused_step(self):
+        ...         for group in self.param_groups:
+        ...             for b in self._batches(group):
+        ...                 ops.multi_tensor_sgd_(b.grads, b.params, [], b.model_params, b.noop,
+        ...                                       b.inv_scale, lr=group["lr"])
+    """
+
+    #: State keys whose saved dtype :meth:`load_state_dict` keeps (fp32 state of half params).
+    _KEEP_SAVED_DTYPE: tuple[str, ...] = ("master_param",)
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *, set_grad_none: bool,
+                 master_weights: bool = False) -> None:
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+        self.master_weights = master_weights
+        self._inputs: FusedStepInputs | None = None
+
+    # ----------------------------------------------------------------- public
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the grads: to None when ``set_to_none`` (default: the ``set_grad_none``
+        given at construction), else to zero.
+
+        Args:
+            set_to_none (bool, optional): overrides ``set_grad_none`` for this call.
+
+        Example::
+
+            >>> opt = FusedSGD(model.parameters(), lr=0.1)   # set_grad_none=False, as in Apex
+            >>> opt.zero_grad()                  # grads zeroed
+            >>> opt.zero_grad(set_to_none=True)  # grads set to None
+        """
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    @contextlib.contextmanager
+    def fused_step_inputs(self, inputs: FusedStepInputs) -> Iterator[FusedStepInputs]:
+        """Make the ``step()`` calls inside the block read grads and flags from ``inputs``.
+
+        Args:
+            inputs (FusedStepInputs): the grads, model copies and flags.
+
+        Example::
+
+            >>> with optimizer.fused_step_inputs(FusedStepInputs(found_inf=flag)):
+            ...     optimizer.step()   # changes nothing if flag is set
+        """
+        previous, self._inputs = self._inputs, inputs
+        try:
+            yield inputs
+        finally:
+            self._inputs = previous
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, keeping fp32 state of half params in fp32.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating state to each
+        param's dtype, which would round fp32 moments and masters of half
+        params to half; the keys in ``_KEEP_SAVED_DTYPE`` are restored as saved.
+
+        Args:
+            state_dict (dict): from :meth:`state_dict`.
+
+        Example::
+
+            >>> opt.load_state_dict(torch.load("ckpt.pt")["optimizer"])
+            >>> opt.state[half_param]["exp_avg"].dtype
+            torch.float32
+        """
+        saved = state_dict["state"]
+        flat = [p for group in self.param_groups for p in group["params"]]
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for param_id, p in zip(saved_ids, flat):
+            for key, value in saved.get(param_id, {}).items():
+                if key in self._KEEP_SAVED_DTYPE and isinstance(value, Tensor):
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One fused step over every param that has a grad (or a grad in the step inputs).
+
+        Does nothing when the step inputs' ``found_inf`` is set, or when
+        ``torch.amp.GradScaler`` found an overflow (optimizers that take the
+        scaler's flags).
+
+        Args:
+            closure (callable, optional): re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward()
+            >>> opt.step()
+        """
+        loss = self._closure_loss(closure)
+        with self._grad_scaler_inputs():
+            if not self._step_skipped():
+                self._fused_step()
+        return loss
+
+    def _fused_step(self) -> None:
+        """The op calls of one step; each optimizer defines its own."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its fused step")
+
+    # ------------------------------------------------------------- for steps
+
+    def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _grad_of(self, p: Tensor) -> Tensor | None:
+        inputs = self._inputs
+        if inputs is not None and inputs.grads is not None and p in inputs.grads:
+            return inputs.grads[p]
+        return p.grad
+
+    def _master(self, p: Tensor) -> Tensor:
+        """The fp32 master of half param ``p``, made from it on first use."""
+        state = self.state[p]
+        master = state.get("master_param")
+        if master is None:
+            master = state["master_param"] = p.detach().to(
+                torch.float32, memory_format=torch.preserve_format, copy=True)
+        return master
+
+    def _uses_master(self, p: Tensor) -> bool:
+        return self.master_weights and p.dtype in _HALF
+
+    def _flags(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """(noop, inv_scale) for one device: from the step inputs, else none."""
+        inputs = self._inputs
+        if inputs is None:
+            return None, None
+        return _on(inputs.found_inf, device), _on(inputs.inv_scale, device)
+
+    def _batches(self, group: dict[str, Any], split: Callable[[Tensor], Any] | None = None,
+                 ) -> list[_Batch]:
+        """The params of ``group`` that have a grad, as op-call batches.
+
+        A batch holds params of one device, all with or all without a model copy
+        to write; ``split(param)`` may separate them further (SGD's new momentum
+        buffers). Order within a batch is the group's order.
+        """
+        inputs = self._inputs
+        batches: dict[tuple, _Batch] = {}
+        for p in group["params"]:
+            grad = self._grad_of(p)
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            stepped, out = p, None
+            if inputs is not None and inputs.model_params is not None and p in inputs.model_params:
+                out = inputs.model_params[p]
+            elif self._uses_master(p):
+                stepped, out = self._master(p), p
+            key = (p.device, out is not None, split(p) if split is not None else None)
+            batch = batches.get(key)
+            if batch is None:
+                batch = batches[key] = _Batch(p.device)
+                batch.noop, batch.inv_scale = self._flags(p.device)
+            batch.keys.append(p)
+            batch.params.append(stepped)
+            batch.grads.append(grad)
+            if out is not None:
+                batch.model_params.append(out)
+        return list(batches.values())
+
+    def _state_tensor(self, p: Tensor, key: str, dtype: torch.dtype | None = None) -> Tensor:
+        """``state[p][key]``, made as zeros like the stepped tensor (in ``dtype``) on first use."""
+        state = self.state[p]
+        t = state.get(key)
+        if t is None:
+            like = self._master(p) if self._uses_master(p) else p
+            t = state[key] = torch.zeros_like(like, dtype=dtype or like.dtype,
+                                              memory_format=torch.preserve_format)
+        return t
+
+    def _step_skipped(self) -> bool:
+        """Whether the step inputs' ``found_inf`` is set: then ``step()`` changes nothing.
+
+        The flag is read on the host (free on the CPU, a sync on CUDA) because the
+        step counters, which set the bias corrections, live on the host. It is
+        handed to the kernels as their ``noop`` flag all the same.
+        """
+        found = self._inputs.found_inf if self._inputs is not None else None
+        if found is not None and bool(found.reshape(()) != 0):
+            logger.debug("%s.step() skipped: found_inf is set", type(self).__name__)
+            return True
+        return False
+
+    @contextlib.contextmanager
+    def _grad_scaler_inputs(self) -> Iterator[None]:
+        """Take up what ``torch.amp.GradScaler.step`` hands an optimizer that sets
+        ``_step_supports_amp_scaling``: ``self.grad_scale`` (None when the grads
+        were already unscaled) and ``self.found_inf``. The grads are then read
+        times ``1 / grad_scale`` inside the kernels and stay scaled in ``.grad``.
+        """
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if not getattr(self, "_step_supports_amp_scaling", False) or (
+                grad_scale is None and found_inf is None):
+            yield
+            return
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        with self.fused_step_inputs(dataclasses.replace(
+                self._inputs or FusedStepInputs(), found_inf=found_inf, inv_scale=inv_scale)):
+            yield
+
+    @staticmethod
+    def _next_step(group: dict[str, Any]) -> int:
+        """Advance the group's step counter (Apex keeps one per group, not one per param).
+
+        The counter is an int, or a tensor where Apex kept one on the device
+        (``capturable``); it is returned as an int for the bias corrections.
+        """
+        step = group.get("step")
+        if isinstance(step, Tensor):
+            step.add_(1)
+            return int(step)
+        group["step"] = (step or 0) + 1
+        return group["step"]
+
+    @staticmethod
+    def _scalar(value: float | Tensor) -> float:
+        """A hyper-parameter that may be held as a tensor (Apex's capturable ``lr``)."""
+        return float(value)
+
+
+def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=True)

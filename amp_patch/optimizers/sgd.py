@@ -1,0 +1,127 @@
+"""FusedSGD: SGD with momentum in one multi-tensor pass per step (``apex.optimizers.FusedSGD``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import required
+
+from amp_patch import ops
+from amp_patch.optimizers._base import FusedOptimizer
+
+__all__ = ["FusedSGD"]
+
+
+class FusedSGD(FusedOptimizer):
+    r"""SGD, optionally with momentum and Nesterov, as one fused op call per step.
+
+    A drop-in for ``torch.optim.SGD`` with Apex's constructor. Per element, in fp32:
+
+    .. math::
+        g &= \nabla + \lambda p \quad \text{(after the momentum with wd\_after\_momentum)} \\
+        b &= \mu b + (1 - \tau) g \quad (b = g \text{ at the first step}), \qquad
+        g = b \;\text{or, Nesterov,}\; g + \mu b \\
+        p &= p - \eta g
+
+    As in torch and Apex (and unlike Sutskever et al.), the learning rate
+    multiplies the velocity rather than the gradient inside it. The momentum
+    buffers (``state[p]["momentum_buffer"]``) have the param's dtype; with
+    ``momentum=0`` none is made.
+
+    Args:
+        params (iterable): parameters or parameter groups.
+        lr (float): learning rate; may be given in every param group instead.
+        momentum (float, optional): Default: 0.
+        dampening (float, optional): Default: 0.
+        weight_decay (float, optional): Default: 0.
+        nesterov (bool, optional): Default: False.
+        wd_after_momentum (bool, optional): add the weight decay after the
+            momentum update rather than before. Default: False.
+        materialize_master_grads (bool, optional): accepted for Apex's amp; amp_patch's
+            O2 always gives the masters fp32 grads, so it changes nothing. Default: True.
+        set_grad_none (bool, optional): :meth:`zero_grad` sets grads to None.
+            Default: False, as in Apex.
+
+    Raises:
+        ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; Nesterov
+            without momentum or with dampening; no ``lr`` for a param group.
+
+    Example::
+
+        >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+        >>> loss_fn(model(x), y).backward()
+        >>> opt.step()
+    """
+
+    def __init__(self, params: Any, lr: float = required, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 wd_after_momentum: bool = False, materialize_master_grads: bool = True,
+                 set_grad_none: bool = False) -> None:
+        if lr is not required and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        self.wd_after_momentum = wd_after_momentum
+        self.materialize_master_grads = materialize_master_grads
+        # Apex's amp set this to the loss scale when it left the model grads scaled;
+        # the next step divides the grads by it, then it returns to 1.
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One SGD step over every param that has a grad.
+
+        Args:
+            closure (callable, optional): re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+
+        Example::
+
+            >>> opt.step()
+        """
+        loss = super().step(closure)
+        self.most_recent_scale = 1.0
+        self.scale_set_by_backward = False
+        return loss
+
+    def _fused_step(self) -> None:
+        for group in self.param_groups:
+            self._sgd_group(group)
+
+    def _sgd_group(self, group: dict[str, Any]) -> None:
+        momentum = group["momentum"]
+        # New buffers start as the grad, which the kernel does for a whole call
+        # (first_run): params with and without a buffer go in separate calls.
+        fresh = (lambda p: "momentum_buffer" not in self.state[p]) if momentum != 0 else None
+        for b in self._batches(group, split=fresh):
+            first_run = fresh is not None and fresh(b.keys[0])
+            buffers = ([self._state_tensor(p, "momentum_buffer") for p in b.keys]
+                       if momentum != 0 else [])
+            ops.multi_tensor_sgd_(
+                b.grads, b.params, buffers, b.model_params, b.noop, self._inv_scale(b.inv_scale, b),
+                lr=group["lr"], weight_decay=group["weight_decay"], momentum=momentum,
+                dampening=group["dampening"], nesterov=group["nesterov"], first_run=first_run,
+                wd_after_momentum=self.wd_after_momentum)
+
+    def _inv_scale(self, inv_scale: Tensor | None, batch: Any) -> Tensor | None:
+        if self.most_recent_scale == 1.0:
+            return inv_scale
+        legacy = torch.full((1,), 1.0 / self.most_recent_scale, dtype=torch.float32,
+                            device=batch.device)
+        return legacy if inv_scale is None else legacy * inv_scale

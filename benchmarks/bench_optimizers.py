@@ -1,0 +1,278 @@
+"""K5: the fused optimizer steps against torch's fused optimizers, with their bandwidth floors.
+
+Usage::
+
+    python benchmarks/bench_optimizers.py [--device cpu|cuda] [--params 20e6] [--quick] [--no-write]
+
+Every row steps the same params (about 20 M fp32 elements in 100 tensors of
+varied sizes) with an amp_patch optimizer and with its anchor, interleaved with
+an in-place bandwidth probe (``mul_`` on CPU, ``copy_`` on GPU), and reports
+the medians of the repeats. ``time / floor`` is the step's time over its
+bandwidth floor: the bytes it must move (each input read once, each output
+written once) over the bandwidth measured in the same run.
+
+- **K5**: ``FusedAdam`` (AdamW mode) against ``torch.optim.AdamW(fused=True)``,
+  fp32 params, grads and moments: 28 bytes per element.
+- **O2 step**: the one-pass step of fp32 masters from bf16 grads times the
+  inverse loss scale, writing the bf16 model (``FusedStepInputs``), against
+  today's O2 sequence of three passes: unscale-copy into fp32 master grads,
+  ``AdamW(fused=True)`` on the masters, and the fused copy to the model.
+- SGD with momentum and Adagrad against their ``fused=True`` torch versions,
+  and LAMB's two passes (no torch anchor: time / floor only).
+
+Before timing, each fused op is checked bit for bit against its reference body
+on fresh data. The script prints the table and rewrites the ``optimizers-cpu``
+(or ``-cuda``) section of ``docs/benchmarks.md`` (``--threads N``:
+``optimizers-cpu-Nt``); the machine's load average goes into the section,
+since the CPU machines are shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402
+
+from amp_patch import ops  # noqa: E402
+from amp_patch.optimizers import (  # noqa: E402
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedSGD,
+    FusedStepInputs,
+)
+
+N_TENSORS = 100
+LR = 1e-4  # small, so that repeated steps keep the params at their random scale
+
+
+@dataclass
+class Row:
+    id: str
+    what: str
+    anchor: str
+    target: float | None
+    ours_s: float
+    anchor_s: float | None
+    bytes_per_elem: int
+
+    def speedup(self) -> float | None:
+        return None if self.anchor_s is None else self.anchor_s / self.ours_s
+
+
+def _sizes(total: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(N_TENSORS, generator=gen) + 0.5
+    return (weights / weights.sum() * total).long().clamp(min=1).tolist()
+
+
+def _params(sizes: list[int], dtype: torch.dtype, device: str, seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype).to(device)) for n in sizes]
+
+
+def _set_grads(params: list[torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype).to(p.device)
+
+
+def check_correctness(device: str) -> None:
+    """Each op equals its reference bit for bit on fresh data (LAMB stage 1's norms: within 1e-5)."""
+    sizes = _sizes(300_000, seed=3)[:40]
+    dt = [torch.float32, torch.bfloat16]
+    gen = torch.Generator().manual_seed(11)
+
+    def lists(k, dtypes):
+        return [[torch.randn(n, generator=gen).to(dtypes[i % len(dtypes)]).to(device) for i, n in enumerate(sizes)]
+                for _ in range(k)]
+
+    def positive(ls):
+        return [[t.abs() for t in l] for l in ls]
+
+    inv = torch.full((1,), 1.0 / 1024.0, device=device)
+    flag = torch.zeros(1, device=device)
+    (g,), (p, m), (v,) = lists(1, dt), lists(2, [torch.float32]), positive(lists(1, [torch.float32]))
+    out = [torch.empty_like(t, dtype=torch.bfloat16) for t in p]
+    norm = torch.full((1,), 3000.0, device=device)
+    cases = {
+        "multi_tensor_adam_": (g, p, m, v, out, flag, inv, 1e-3, 0.9, 0.999, 1e-8, 0.01, 5, True, True),
+        "multi_tensor_sgd_": (g, p, m, out, flag, inv, 0.1, 1e-4, 0.9, 0.0, False, False, False),
+        "multi_tensor_adagrad_": (g, p, v, out, flag, inv, 1e-2, 1e-10, 1e-4, False),
+        "multi_tensor_novograd_": (g, p, m, torch.rand(len(g), device=device) + 0.5, out, flag, inv, 1e-3, 0.95,
+                                   0.98, 1e-8, 1e-3, 5, True, True, False),
+        "multi_tensor_lamb_stage1_": (g, p, m, v, flag, inv, norm, 1.0, 0.9, 0.999, 1e-6, 0.01, 5, True, True,
+                                      True, False),
+        "multi_tensor_lamb_stage2_": (p, m, v, torch.rand(len(g), device=device) + 0.5,
+                                      torch.rand(len(g), device=device) + 0.5, out, flag, 1e-3, 0.9, 0.999,
+                                      1e-6, 0.01, 5, True, True, False),
+    }
+    for name, args in cases.items():
+        got = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
+        want = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
+        out_got = getattr(torch.ops.amp_patch, name)(*got)
+        out_want = ops._OPTIM_REFERENCE[name](*want)
+        for a, b in zip(got, want):
+            if isinstance(a, list) and not all(torch.equal(x, y) for x, y in zip(a, b)):
+                raise SystemExit(f"{name}: kernel differs from the reference; not timing it")
+        if out_got is not None and not all(torch.allclose(x, y, rtol=1e-5) for x, y in zip(out_got, out_want)):
+            raise SystemExit(f"{name}: norms differ from the reference; not timing it")
+
+
+def measure(device: str, total: int, repeats: int) -> tuple[float, list[Row], int]:
+    """The in-place bandwidth (bytes/s, median over the rows), the timed rows, and the param count."""
+    # The probe moves as many bytes as an Adam step over the params (4 fp32 lists), so that it,
+    # like the steps, runs from memory and not from a large last-level cache.
+    bw_buf = torch.randn(4 * total, device=device)
+    bw_src = torch.empty_like(bw_buf)
+    bw_fn: Callable[[], object] = ((lambda: bw_src.copy_(bw_buf)) if device == "cuda"
+                                   else (lambda: bw_buf.mul_(1.0)))
+    bandwidths: list[float] = []
+    rows: list[Row] = []
+    sizes = _sizes(total)
+    n = sum(sizes)
+
+    def timed(row_id, what, anchor_name, target, nbytes, ours, anchor=None):
+        # Each step follows a probe: run right after another step over the same params, a
+        # step would find the tail of that one's data in the last-level cache.
+        fns = {"ours": ours, "bw": bw_fn}
+        if anchor is not None:
+            fns.update(anchor=anchor, bw_after_anchor=bw_fn)
+        t = interleaved_median(fns, repeats=repeats, device=device)
+        bandwidths.append(8 * bw_buf.numel() / t["bw"])
+        rows.append(Row(row_id, what, anchor_name, target, t["ours"], t.get("anchor"), nbytes))
+
+    # K5: the same fp32 params and grads, stepped by each optimizer in turn.
+    params = _params(sizes, torch.float32, device, seed=1)
+    _set_grads(params, seed=2)
+    ours = FusedAdam(params, lr=LR, weight_decay=0.01)
+    theirs = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
+    timed("K5", "FusedAdam (AdamW mode), fp32", "torch AdamW(fused=True)", 1.0, 28, ours.step, theirs.step)
+    del ours, theirs
+
+    sgd_ours = FusedSGD(params, lr=LR, momentum=0.9)
+    sgd_theirs = torch.optim.SGD(params, lr=LR, momentum=0.9, fused=True)
+    timed("-", "FusedSGD, momentum 0.9, fp32", "torch SGD(fused=True)", None, 20, sgd_ours.step, sgd_theirs.step)
+    del sgd_ours, sgd_theirs
+
+    ada_ours = FusedAdagrad(params, lr=LR)
+    ada_theirs = torch.optim.Adagrad(params, lr=LR, fused=True)
+    timed("-", "FusedAdagrad, fp32", "torch Adagrad(fused=True)", None, 20, ada_ours.step, ada_theirs.step)
+    del ada_ours, ada_theirs
+
+    lamb = FusedLAMB(params, lr=LR, weight_decay=0.01)
+    # Norm pass (4 B), stage 1 (read g, p, m, v; write m, v), stage 2 (read p, m, v; write p).
+    timed("-", "FusedLAMB (norm + two stages), fp32", "", None, 4 + 24 + 16, lamb.step)
+    del lamb, params
+
+    # The O2 step: bf16 model, fp32 masters.
+    model = _params(sizes, torch.bfloat16, device, seed=4)
+    masters = [torch.nn.Parameter(p.detach().float()) for p in model]
+    _set_grads(model, seed=5)
+    inv_scale = torch.full((1,), 1.0 / 1024.0, device=device)
+    found_inf = torch.zeros(1, device=device)
+    one_pass = FusedAdam(masters, lr=LR, weight_decay=0.01)
+    inputs = FusedStepInputs(grads={m: p.grad for m, p in zip(masters, model)},
+                             model_params=dict(zip(masters, model)), inv_scale=inv_scale,
+                             found_inf=found_inf)
+    master_grads = [torch.empty_like(m) for m in masters]
+    for m, g in zip(masters, master_grads):
+        m.grad = g
+    three_pass = torch.optim.AdamW(masters, lr=LR, weight_decay=0.01, fused=True)
+    model_data = [p.detach() for p in model]
+    model_grads = [p.grad for p in model]
+
+    def fused_o2() -> None:
+        with one_pass.fused_step_inputs(inputs):
+            one_pass.step()
+
+    def today_o2() -> None:
+        ops.multi_tensor_unscale_copy_(model_grads, master_grads, found_inf, inv_scale)
+        three_pass.step()
+        ops.multi_tensor_copy_(masters, model_data)
+
+    # Read g (2), master, m, v (12); write master, m, v (12), model (2).
+    timed("O2", "one-pass O2 Adam step: bf16 grads x inv_scale -> fp32 masters -> bf16 model",
+          "unscale_copy_ + AdamW(fused=True) + copy_", None, 28, fused_o2, today_o2)
+    bandwidths.sort()
+    return bandwidths[len(bandwidths) // 2], rows, n
+
+
+def report(device: str, n: int, bandwidth: float, rows: list[Row], load: tuple[float, float]) -> str:
+    isa = ""
+    if device == "cpu" and ops.native_extension_loaded():
+        from amp_patch import _C
+
+        isa = f" CPU kernels: {_C.cpu_capability()}."
+    elif not ops.has_native_kernel(device, "multi_tensor_adam_"):
+        isa = " No compiled kernel for this device: the reference ops were timed."
+    load_note = (f" Load average (1 min): {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
+                 f"{os.cpu_count()} CPUs." if device == "cpu" else "")
+    header = ["id", "step", "anchor", "ms", "anchor ms", "speed-up", "target", "bytes/elem", "GB/s",
+              "time / floor"]
+    body = []
+    for r in rows:
+        floor_s = r.bytes_per_elem * n / bandwidth
+        speedup = r.speedup()
+        body.append([
+            r.id, r.what, r.anchor or "-", f"{r.ours_s * 1e3:.1f}",
+            "-" if r.anchor_s is None else f"{r.anchor_s * 1e3:.1f}",
+            "-" if speedup is None else f"{speedup:.2f}x",
+            "-" if r.target is None else f">= {r.target}x {'ok' if speedup >= r.target else 'MISSED'}",
+            r.bytes_per_elem, f"{r.bytes_per_elem * n / r.ours_s / 1e9:.1f}", f"{r.ours_s / floor_s:.2f}",
+        ])
+    probe = "copy_" if device == "cuda" else "in-place mul_"
+    lines = [
+        f"## Fused optimizer steps ({device}"
+        + (f", {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
+           if device == "cpu" else ")"),
+        f"{machine()}.{isa}{load_note}",
+        f"{n / 1e6:.1f} M params in {N_TENSORS} tensors, the same ones for each optimizer and its "
+        f"anchor; medians of interleaved repeats. The bytes per element count each input read "
+        f"once and each output written once; the floor is those bytes over the {probe} "
+        f"bandwidth of the same run ({bandwidth / 1e9:.1f} GB/s, read + written, median over the "
+        f"rows), so `time / floor` 1.0 is bandwidth-bound. `speed-up` is the anchor's time over ours.",
+        markdown_table(header, body),
+    ]
+    return "\n\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--params", type=float, default=20e6, help="elements per list (default 20e6)")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU threads (default: torch's); 1 takes thread scheduling on a "
+                             "loaded machine out of the comparison")
+    parser.add_argument("--quick", action="store_true", help="2 M params, 3 repeats, nothing written")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    total, repeats = (2_000_000, 3) if args.quick else (int(args.params), args.repeats)
+
+    check_correctness(args.device)
+    load_start = os.getloadavg()[0]
+    bandwidth, rows, n = measure(args.device, total, repeats)
+    body = report(args.device, n, bandwidth, rows, (load_start, os.getloadavg()[0]))
+    print(body)
+    if not args.no_write and not args.quick:
+        # A run pinned to a thread count gets a section of its own, beside the default one.
+        section = f"optimizers-{args.device}" + (f"-{args.threads}t" if args.threads else "")
+        print(f"wrote {write_section(section, body)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

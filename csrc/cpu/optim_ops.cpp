@@ -1,0 +1,386 @@
+// CPU kernels of the fused optimizer ops (schemas and reference bodies: the
+// optimizer block at the end of amp_patch/ops.py).
+//
+// One call updates many tensors. Its lists (grads, params, moments, the
+// optional half model copies) are lined up into rows, one per tensor index, of
+// flat memory. The concatenation of all rows is cut into tasks of equal size
+// (plan.h's kTaskElems) that the threads take from a shared counter, as Plan
+// does for the loss-scaling ops.
+// Within a task each row is walked in tiles: fp32 tensors are handed to the
+// loops where they lie, fp16/bf16 ones are widened into a stack tile first and
+// narrowed back after, so a tile is read from memory once and written once.
+//
+// A set `noop` flag (Apex's noop_gmem, amp_patch's found_inf) makes an op
+// return before it writes anything, so a skipped step never half-applies.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <deque>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cpu/kernel_table.h"
+#include "cpu/optim_args.h"
+#include "cpu/optim_table.h"
+#include "cpu/plan.h"
+
+namespace amp_patch::cpu {
+
+const OptimTable& optim_kernels() {
+  // Follow the loss-scaling kernels' choice, which honours ATEN_CPU_CAPABILITY.
+  static const OptimTable table = [] {
+#if defined(__x86_64__) || defined(_M_X64)
+    const std::string& isa = kernel_capability();
+    if (isa == "AVX512") {
+      return AVX512::optim_table();
+    }
+    if (isa == "AVX2") {
+      return AVX2::optim_table();
+    }
+#endif
+    return DEFAULT::optim_table();
+  }();
+  return table;
+}
+
+namespace {
+
+constexpr int kMaxLists = 5;
+// Elements per tile: five fp32 tiles (20 KB) stay in L1 between the widening,
+// the update and the narrowing.
+constexpr int64_t kTile = 1024;
+
+using optim::ListArg;
+using optim::Use;
+
+// Tensor i of every list, as flat memory of numel elements.
+struct Row {
+  std::array<void*, kMaxLists> ptr{};
+  std::array<Dt, kMaxLists> dt{};
+  int64_t numel = 0;
+};
+
+Dt element_type(const at::Tensor& t, const char* op, const char* list, size_t i) {
+  const at::ScalarType st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "amp_patch::", op, ": ",
+              list, "[", i, "] has dtype ", st,
+              "; the optimizer kernels take float32, float16 and bfloat16");
+  return st == at::kFloat ? kF32 : (st == at::kHalf ? kF16 : kBF16);
+}
+
+// The noop flag: amp_patch's float32 found_inf or Apex's int32 noop buffer.
+bool step_skipped(const std::optional<at::Tensor>& noop, const char* op) {
+  if (!noop.has_value()) {
+    return false;
+  }
+  if (noop->scalar_type() == at::kInt) {
+    check_cpu(*noop, op, "noop");
+    TORCH_CHECK(noop->numel() == 1, "amp_patch::", op, ": noop must have one element, got ",
+                noop->numel());
+    return *noop->const_data_ptr<int32_t>() != 0;
+  }
+  return read_scalar(*noop, op, "noop (float32, or Apex's int32)") != 0.0f;
+}
+
+float scale_or_one(const std::optional<at::Tensor>& inv_scale, const char* op) {
+  return inv_scale.has_value() ? read_scalar(*inv_scale, op, "inv_scale") : 1.0f;
+}
+
+// The rows and tasks of one call, with the contiguous stand-ins for tensors
+// whose elements cannot be walked as one run in the same order as the others.
+class RowPlan {
+ public:
+  RowPlan(const char* op, c10::ArrayRef<ListArg> lists) : op_(op), lists_(lists.vec()) {
+    TORCH_INTERNAL_ASSERT(!lists_.empty() && lists_.size() <= kMaxLists);
+    const size_t n = lists_[0].tensors.size();
+    for (const ListArg& l : lists_) {
+      TORCH_CHECK(l.use == Use::kAbsent || l.tensors.size() == n, "amp_patch::", op,
+                  ": list lengths differ (", lists_[0].name, " has ", n, ", ", l.name, " has ",
+                  l.tensors.size(), ")");
+    }
+    rows_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      add_row(i);
+    }
+    tasks_.cut(rows_.size(), [&](size_t r) { return rows_[r].numel; });
+  }
+
+  const std::vector<Row>& rows() const { return rows_; }
+  // The pieces of the rows (Span::job is the row), in task order.
+  const std::vector<Span>& pieces() const { return tasks_.spans(); }
+  Use use(int k) const { return lists_[k].use; }
+  int copy_of(int k) const { return lists_[k].copy_of; }
+  int lists() const { return static_cast<int>(lists_.size()); }
+
+  // Runs f(piece_index, piece) over every piece, the tasks spread over the threads.
+  template <typename F>
+  void run(const F& f) const {
+    tasks_.run([&](int64_t s, const Span& piece) {
+      f(s, piece);
+      return false;
+    });
+  }
+
+  // Copies the stand-ins of written tensors back into the caller's tensors.
+  void finish() {
+    for (auto& [user, stand_in] : write_back_) {
+      user.copy_(stand_in);
+    }
+  }
+
+ private:
+  void add_row(size_t i) {
+    Row& row = rows_[i];
+    const at::Tensor& lead = lists_[0].tensors[i];
+    row.numel = lead.numel();
+    bool flat = true;
+    for (size_t k = 0; k < lists_.size(); ++k) {
+      const ListArg& l = lists_[k];
+      if (l.use == Use::kAbsent) {
+        continue;
+      }
+      const at::Tensor& t = l.tensors[i];
+      check_cpu(t, op_, l.name);
+      TORCH_CHECK(t.sizes() == lead.sizes(), "amp_patch::", op_, ": ", l.name, "[", i,
+                  "] has shape ", t.sizes(), " but ", lists_[0].name, "[", i, "] has ",
+                  lead.sizes());
+      row.dt[k] = element_type(t, op_, l.name, i);
+      if (l.use != Use::kChecked) {
+        flat = flat && t.is_non_overlapping_and_dense() && t.strides() == lead.strides();
+      }
+    }
+    if (row.numel == 0) {
+      return;
+    }
+    for (size_t k = 0; k < lists_.size(); ++k) {
+      const ListArg& l = lists_[k];
+      if (l.use == Use::kAbsent || l.use == Use::kChecked) {
+        continue;
+      }
+      const at::Tensor& t = l.tensors[i];
+      if (flat || t.is_contiguous()) {
+        row.ptr[k] = t.data_ptr();
+        continue;
+      }
+      // Slow path: the row's tensors disagree on layout, so each one that is
+      // not contiguous is replaced by a contiguous stand-in.
+      at::Tensor stand_in = l.use == Use::kCopyOut ? at::empty(t.sizes(), t.options()) : t.contiguous();
+      if (l.use != Use::kRead) {
+        write_back_.emplace_back(t, stand_in);
+      }
+      kept_.push_back(stand_in);
+      row.ptr[k] = kept_.back().data_ptr();
+    }
+  }
+
+  const char* op_;
+  std::vector<ListArg> lists_;
+  std::vector<Row> rows_;
+  Tasks tasks_;
+  std::deque<at::Tensor> kept_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
+};
+
+// Walks elements [begin, end) of one row in tiles and calls
+// update(float* const* f, n), where f[k] is list k's tile as fp32 (null for
+// absent and copy-out lists). Afterwards updated half tiles are narrowed back,
+// and a copy-out list receives the final values of its source list.
+template <typename Update>
+void for_tiles(const RowPlan& plan, const Row& row, int64_t begin, int64_t end, Update&& update) {
+  const KernelTable& conv = kernels();
+  const int nl = plan.lists();
+  // A row of fp32 tensors only needs no tile: the loops run over the whole piece.
+  bool converts = false;
+  for (int k = 0; k < nl; ++k) {
+    const Use use = plan.use(k);
+    converts = converts || use == Use::kCopyOut ||
+        ((use == Use::kRead || use == Use::kUpdate) && row.dt[k] != kF32);
+  }
+  const int64_t tile = converts ? kTile : end - begin;
+  alignas(64) float scratch[kMaxLists][kTile];
+  for (int64_t b = begin; b < end; b += tile) {
+    const int64_t n = std::min(tile, end - b);
+    float* f[kMaxLists] = {};
+    for (int k = 0; k < nl; ++k) {
+      const Use use = plan.use(k);
+      if (use != Use::kRead && use != Use::kUpdate) {
+        continue;
+      }
+      if (row.dt[k] == kF32) {
+        f[k] = static_cast<float*>(offset(row.ptr[k], kF32, b));
+      } else {
+        conv.copy[row.dt[k]][kF32](offset(row.ptr[k], row.dt[k], b), scratch[k], n);
+        f[k] = scratch[k];
+      }
+    }
+    update(static_cast<float* const*>(f), n);
+    for (int k = 0; k < nl; ++k) {
+      const Use use = plan.use(k);
+      if (use == Use::kUpdate && row.dt[k] != kF32) {
+        conv.copy[kF32][row.dt[k]](scratch[k], offset(row.ptr[k], row.dt[k], b), n);
+      } else if (use == Use::kCopyOut) {
+        conv.copy[kF32][row.dt[k]](f[plan.copy_of(k)], offset(row.ptr[k], row.dt[k], b), n);
+      }
+    }
+  }
+}
+
+// Runs an elementwise update over every tile of the call, unless noop is set.
+template <typename Update>
+void run_elementwise(RowPlan& plan, bool skip, const Update& update) {
+  if (skip) {
+    return;
+  }
+  const auto& rows = plan.rows();
+  plan.run([&](int64_t, const Span& pc) {
+    const Row& row = rows[pc.job];
+    for_tiles(plan, row, pc.begin, pc.end, [&](float* const* f, int64_t n) {
+      update(pc.job, f, n);
+    });
+  });
+  plan.finish();
+}
+
+// A per-tensor vector (NovoGrad's grad norms, LAMB's norms) on the CPU.
+const float* per_tensor(const at::Tensor& t, size_t n, const char* op, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 &&
+                  static_cast<size_t>(t.numel()) == n && t.is_contiguous(),
+              "amp_patch::", op, ": ", what, " must be a contiguous 1-D float32 CPU tensor of ", n,
+              " elements (one per tensor), got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
+              t.device());
+  return t.const_data_ptr<float>();
+}
+
+// The CPU side of the ops of optim_args.h. The scale and flag are read on the
+// host (they live in host memory); the loops come from the ISA's table.
+struct CpuBackend {
+  template <typename Hyper>
+  static Hyper scaled(Hyper h, const optim::Flags& flags, const char* op) {
+    h.inv_scale = scale_or_one(flags.inv_scale, op);
+    return h;
+  }
+
+  // An elementwise op: loop(row, f, n, hyper) over every tile of the call.
+  template <size_t N, typename Hyper, typename Loop>
+  static void sweep(const char* op, const optim::Lists<N>& lists, const optim::Flags& flags,
+                    const Hyper& hyper, const Loop& loop) {
+    RowPlan plan(op, lists);
+    const Hyper h = scaled(hyper, flags, op);
+    run_elementwise(plan, step_skipped(flags.noop, op),
+                    [&](int64_t r, float* const* f, int64_t n) { loop(r, f, n, h); });
+  }
+
+  static void adam(const char* op, const optim::Lists<5>& lists, const optim::Flags& flags,
+                   const optim::AdamHyper& hyper) {
+    sweep(op, lists, flags, hyper, [](int64_t, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().adam(f[0], f[1], f[2], f[3], n, h);
+    });
+  }
+
+  static void sgd(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                  const optim::SgdHyper& hyper) {
+    sweep(op, lists, flags, hyper, [](int64_t, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().sgd(f[0], f[1], f[2], n, h);
+    });
+  }
+
+  static void adagrad(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                      const optim::AdagradHyper& hyper) {
+    sweep(op, lists, flags, hyper, [](int64_t, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().adagrad(f[0], f[1], f[2], n, h);
+    });
+  }
+
+  static void novograd(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                       const optim::NovoGradHyper& hyper, const at::Tensor& grad_norms,
+                       float bias_correction2, float eps) {
+    const size_t n_tensors = lists[0].tensors.size();
+    const float* norms = per_tensor(grad_norms, n_tensors, op, "grad_norms");
+    std::vector<float> denom(n_tensors);
+    for (size_t i = 0; i < n_tensors; ++i) {
+      denom[i] = norms[i] / bias_correction2 + eps;
+    }
+    sweep(op, lists, flags, hyper, [&](int64_t r, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().novograd(f[0], f[1], f[2], n, denom[r], h);
+    });
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> lamb_moments(
+      const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+      const optim::LambHyper& hyper, const at::Tensor& global_grad_norm, float max_grad_norm) {
+    RowPlan plan(op, lists);
+    optim::LambHyper h = scaled(hyper, flags, op);
+    const float norm = read_scalar(global_grad_norm, op, "global_grad_norm") * h.inv_scale;
+    h.clip = max_grad_norm > 0.0f && norm > max_grad_norm ? norm / max_grad_norm : 1.0f;
+    const auto fp32 = at::TensorOptions().dtype(at::kFloat);
+    const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
+    at::Tensor param_norms = at::zeros({n}, fp32);
+    at::Tensor update_norms = at::zeros({n}, fp32);
+    if (step_skipped(flags.noop, op)) {
+      return {param_norms, update_norms};
+    }
+    // One pair of partial sums per piece, added per tensor in piece order: the
+    // result does not depend on the thread count.
+    std::vector<std::array<double, 2>> partial(plan.pieces().size(), {0.0, 0.0});
+    const OptimTable& k = optim_kernels();
+    const auto& rows = plan.rows();
+    plan.run([&](int64_t s, const Span& pc) {
+      for_tiles(plan, rows[pc.job], pc.begin, pc.end, [&](float* const* f, int64_t len) {
+        k.lamb_moments(f[0], f[1], f[2], f[3], len, h, partial[s].data());
+      });
+    });
+    plan.finish();
+    std::vector<std::array<double, 2>> sums(n, {0.0, 0.0});
+    for (size_t i = 0; i < partial.size(); ++i) {
+      sums[plan.pieces()[i].job][0] += partial[i][0];
+      sums[plan.pieces()[i].job][1] += partial[i][1];
+    }
+    float* pn = param_norms.mutable_data_ptr<float>();
+    float* un = update_norms.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      pn[i] = static_cast<float>(std::sqrt(sums[i][0]));
+      un[i] = static_cast<float>(std::sqrt(sums[i][1]));
+    }
+    return {param_norms, update_norms};
+  }
+
+  static void lamb_apply(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
+                         const optim::LambHyper& hyper, const at::Tensor& param_norms,
+                         const at::Tensor& update_norms, float lr, bool use_ratio) {
+    const size_t n_tensors = lists[0].tensors.size();
+    const float* pn = per_tensor(param_norms, n_tensors, op, "param_norms");
+    const float* un = per_tensor(update_norms, n_tensors, op, "update_norms");
+    std::vector<float> ratio(n_tensors, lr);
+    for (size_t i = 0; use_ratio && i < n_tensors; ++i) {
+      if (pn[i] != 0.0f && un[i] != 0.0f) {
+        ratio[i] = lr * (pn[i] / un[i]);
+      }
+    }
+    sweep(op, lists, flags, hyper, [&](int64_t r, float* const* f, int64_t n, const auto& h) {
+      optim_kernels().lamb_apply(f[0], f[1], f[2], n, ratio[r], h);
+    });
+  }
+};
+
+}  // namespace
+}  // namespace amp_patch::cpu
+
+TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
+  using amp_patch::cpu::CpuBackend;
+  namespace optim = amp_patch::optim;
+  m.impl("multi_tensor_adam_", &optim::adam_op<CpuBackend>);
+  m.impl("multi_tensor_sgd_", &optim::sgd_op<CpuBackend>);
+  m.impl("multi_tensor_adagrad_", &optim::adagrad_op<CpuBackend>);
+  m.impl("multi_tensor_novograd_", &optim::novograd_op<CpuBackend>);
+  m.impl("multi_tensor_lamb_stage1_", &optim::lamb_stage1_op<CpuBackend>);
+  m.impl("multi_tensor_lamb_stage2_", &optim::lamb_stage2_op<CpuBackend>);
+}

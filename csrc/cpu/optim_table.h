@@ -1,0 +1,50 @@
+// The interface between the optimizer ops (optim_ops.cpp) and their vectorised
+// fp32 loops (optim_loops.h), compiled once per instruction set next to the
+// loss-scaling loops (csrc/cpu/isa/*.cpp), as kernel_table.h is for those.
+//
+// The loops see fp32 arrays only. optim_ops.cpp hands them fp32 tensors where
+// they lie and converts fp16/bf16 tensors through small fp32 tiles (with the
+// copy loops of kernel_table.h), so each update rule is compiled once per ISA
+// whatever the mix of dtypes.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/optim_math.h"
+
+namespace amp_patch::cpu {
+
+// Each covers n elements; p, the moments and the momentum are updated in place.
+using AdamLoop = void (*)(const float* g, float* p, float* m, float* v, int64_t n,
+                          const optim::AdamHyper& h);
+// mom is null when momentum is 0.
+using SgdLoop = void (*)(const float* g, float* p, float* mom, int64_t n, const optim::SgdHyper& h);
+using AdagradLoop = void (*)(const float* g, float* p, float* sum, int64_t n,
+                             const optim::AdagradHyper& h);
+using NovoGradLoop = void (*)(const float* g, float* p, float* m, int64_t n, float denom,
+                              const optim::NovoGradHyper& h);
+// Updates the moments and adds sum(p^2) to sums[0] (only when p is not null)
+// and sum(u^2) of the update direction u to sums[1].
+using LambMomentsLoop = void (*)(const float* g, const float* p, float* m, float* v, int64_t n,
+                                 const optim::LambHyper& h, double* sums);
+using LambApplyLoop = void (*)(float* p, const float* m, const float* v, int64_t n, float ratio,
+                               const optim::LambHyper& h);
+
+struct OptimTable {
+  AdamLoop adam;
+  SgdLoop sgd;
+  AdagradLoop adagrad;
+  NovoGradLoop novograd;
+  LambMomentsLoop lamb_moments;
+  LambApplyLoop lamb_apply;
+};
+
+// One table per instruction set; the AVX ones exist on x86 only.
+namespace DEFAULT { OptimTable optim_table(); }
+namespace AVX2 { OptimTable optim_table(); }
+namespace AVX512 { OptimTable optim_table(); }
+
+// The table of the instruction set that kernels() chose (kernel_capability()).
+const OptimTable& optim_kernels();
+
+}  // namespace amp_patch::cpu

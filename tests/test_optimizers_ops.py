@@ -1,0 +1,396 @@
+"""The fused optimizer ops: compiled kernels against the Python reference, bit for bit.
+
+Each op is run on case tables (layouts, dtype mixes, empty and 0-dim tensors,
+inf/NaN placements, lists that cross the CPU's task and tile boundaries) in
+its variants (fp32 or half params, fp32 masters with half model copies,
+weight decay modes), through ``torch.ops.amp_patch`` (the device's kernel)
+and through the reference body in :mod:`amp_patch.ops`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import DEVICES
+from test_ops import assert_bitwise
+
+from amp_patch import ops
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+HALF = (F16, BF16)
+
+# Sizes around the vector widths, the 1024-element tile and the 32768-element task.
+SIZES = [1, 7, 16, 33, 1023, 1025, 4099]
+
+# Each case: (shape, grad dtype, layout) per tensor.
+CASES = {
+    "fp32": [((n,), F32, "contiguous") for n in SIZES],
+    "bf16": [((n,), BF16, "contiguous") for n in SIZES],
+    "fp16": [((n,), F16, "contiguous") for n in SIZES[:5]],
+    "mixed": [((n,), dt, "contiguous") for n, dt in zip(SIZES, [F32, BF16, F16] * 3)],
+    "transposed": [((33, 17), F32, "transposed"), ((5, 9), BF16, "transposed"), ((3, 7), F16, "transposed")],
+    "sliced": [((9, 31), F32, "sliced"), ((4, 17), BF16, "sliced")],
+    "channels_last": [((2, 3, 5, 7), F32, "channels_last"), ((2, 5, 3, 3), BF16, "channels_last")],
+    "empty_tensors": [((0,), F32, "contiguous"), ((3,), BF16, "contiguous"), ((5, 0), F32, "contiguous")],
+    "zero_dim": [((), F32, "contiguous"), ((), BF16, "contiguous"), ((4,), F32, "contiguous")],
+    # More than one CPU task (32768 elements) of small tensors, and tensors split across tasks.
+    "many": [((1 + (37 * i) % 400,), [F32, BF16][i % 2], "contiguous") for i in range(200)],
+    "large": [((3,), F32, "contiguous"), ((40_001,), F32, "contiguous"), ((20_003,), BF16, "contiguous")],
+}
+
+# How params, state and model copies relate to the grads:
+# "same": params and state in the grad's dtype (a pure fp32 or pure half model);
+# "master": fp32 params and state, and a model copy in the grad's half dtype (O2).
+PRECISIONS = ["same", "master"]
+
+
+def _rand(shape, dtype, device, layout, gen, positive=False):
+    def make(*s):
+        t = torch.rand(s, generator=gen) + 0.01 if positive else torch.randn(s, generator=gen)
+        return t.to(dtype).to(device)
+
+    if layout == "transposed":
+        return make(*reversed(shape)).t()
+    if layout == "sliced":
+        return make(shape[0], 2 * shape[1])[:, ::2]
+    if layout == "channels_last":
+        return make(*shape).contiguous(memory_format=torch.channels_last)
+    return make(*shape)
+
+
+def _lists(case, precision, device, n_state, seed=0, positive_state=(1,)):
+    """grads, params, [state lists], model_params for a case."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = CASES[case]
+    grads = [_rand(s, dt, device, lay, gen) * 3 for s, dt, lay in specs]
+    master = precision == "master"
+    params = [_rand(s, F32 if master else dt, device, lay, gen) for s, dt, lay in specs]
+    # State is contiguous where the grads are not dense: rows of mixed layouts take the slow path.
+    state = [[_rand(s, F32 if master else dt, device, lay if lay == "channels_last" else "contiguous",
+                    gen, positive=k in positive_state) for s, dt, lay in specs]
+             for k in range(n_state)]
+    model = ([_rand(s, dt if dt in HALF else BF16, device, lay, gen) for s, dt, lay in specs]
+             if master else [])
+    return grads, params, state, model
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    if isinstance(x, list):
+        return [_clone(t) for t in x]
+    return x
+
+
+def _flag(device, value=0.0, dtype=torch.float32):
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def _scale(device):
+    return torch.full((1,), 3.0 / 1024.0, device=device)
+
+
+def _run_both(name, args):
+    """Runs the dispatched op and the reference on separate copies; returns both copies."""
+    got, want = _clone(list(args)), _clone(list(args))
+    out_got = getattr(torch.ops.amp_patch, name)(*got)
+    out_want = ops._OPTIM_REFERENCE[name](*want)
+    return got, want, out_got, out_want
+
+
+def _assert_lists_equal(got, want):
+    for a, b in zip(got, want):
+        if isinstance(a, list):
+            assert_bitwise(a, b)
+        elif isinstance(a, torch.Tensor) and a.is_floating_point():
+            assert_bitwise([a], [b])
+        elif isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------ argument builders
+
+def _adam_args(case, precision, device, adam_w_mode=True, weight_decay=0.01, bias_correction=True,
+               noop=None, inv_scale=True, step=3):
+    g, p, (m, v), out = _lists(case, precision, device, 2)
+    return ("multi_tensor_adam_",
+            (g, p, m, v, out, noop, _scale(device) if inv_scale else None, 1e-3, 0.9, 0.999, 1e-8,
+             weight_decay, step, adam_w_mode, bias_correction))
+
+
+def _sgd_args(case, precision, device, momentum=0.9, nesterov=False, first_run=False,
+              wd_after_momentum=False, weight_decay=1e-4, noop=None, inv_scale=True):
+    g, p, (buf,), out = _lists(case, precision, device, 1, positive_state=())
+    return ("multi_tensor_sgd_",
+            (g, p, buf, out, noop, _scale(device) if inv_scale else None, 0.1, weight_decay,
+             momentum, 0.1 if not nesterov else 0.0, nesterov, first_run, wd_after_momentum))
+
+
+def _adagrad_args(case, precision, device, adagrad_w_mode=False, weight_decay=1e-3, noop=None,
+                  inv_scale=True):
+    g, p, (h,), out = _lists(case, precision, device, 1)
+    return ("multi_tensor_adagrad_",
+            (g, p, h, out, noop, _scale(device) if inv_scale else None, 1e-2, 1e-10, weight_decay,
+             adagrad_w_mode))
+
+
+def _novograd_args(case, precision, device, reg_inside_moment=False, weight_decay=1e-3,
+                   noop=None, inv_scale=True):
+    g, p, (m,), out = _lists(case, precision, device, 1, positive_state=())
+    gen = torch.Generator().manual_seed(7)
+    norms = (torch.rand(len(g), generator=gen) + 0.5).to(device)
+    return ("multi_tensor_novograd_",
+            (g, p, m, norms, out, noop, _scale(device) if inv_scale else None, 1e-3, 0.95, 0.98,
+             1e-8, weight_decay, 4, True, True, reg_inside_moment))
+
+
+def _lamb1_args(case, precision, device, adam_w_mode=True, weight_decay=0.01, use_nvlamb=False,
+                max_grad_norm=1.0, noop=None, inv_scale=True):
+    g, p, (m, v), _ = _lists(case, precision, device, 2)
+    norm = torch.full((1,), 900.0, device=device)
+    return ("multi_tensor_lamb_stage1_",
+            (g, p, m, v, noop, _scale(device) if inv_scale else None, norm, max_grad_norm, 0.9,
+             0.999, 1e-6, weight_decay, 2, True, True, adam_w_mode, use_nvlamb))
+
+
+def _lamb2_args(case, precision, device, adam_w_mode=True, weight_decay=0.01, use_nvlamb=False,
+                noop=None):
+    _, p, (m, v), out = _lists(case, precision, device, 2)
+    gen = torch.Generator().manual_seed(5)
+    pn = (torch.rand(len(p), generator=gen) + 0.5).to(device)
+    un = (torch.rand(len(p), generator=gen) + 0.5).to(device)
+    if len(p) > 2:
+        pn[0] = 0.0  # a zero norm: the ratio falls back to lr
+        un[1] = 0.0
+    return ("multi_tensor_lamb_stage2_",
+            (p, m, v, pn, un, out, noop, 1e-3, 0.9, 0.999, 1e-6, weight_decay, 2, True, adam_w_mode,
+             use_nvlamb))
+
+
+BUILDERS = {
+    "adam": _adam_args,
+    "sgd": _sgd_args,
+    "adagrad": _adagrad_args,
+    "novograd": _novograd_args,
+    "lamb_stage1": _lamb1_args,
+    "lamb_stage2": _lamb2_args,
+}
+
+# Option sets per op: the modes whose arithmetic differs.
+VARIANTS = {
+    "adam": [{}, {"adam_w_mode": False}, {"weight_decay": 0.0, "bias_correction": False, "inv_scale": False}],
+    "sgd": [{}, {"nesterov": True, "first_run": True}, {"wd_after_momentum": True},
+            {"momentum": 0.0, "inv_scale": False}],
+    "adagrad": [{}, {"adagrad_w_mode": True}, {"weight_decay": 0.0, "inv_scale": False}],
+    "novograd": [{}, {"reg_inside_moment": True}, {"weight_decay": 0.0, "inv_scale": False}],
+    "lamb_stage1": [{}, {"adam_w_mode": False}, {"weight_decay": 0.0, "max_grad_norm": 0.0},
+                    {"weight_decay": 0.0, "use_nvlamb": True, "inv_scale": False}],
+    "lamb_stage2": [{}, {"adam_w_mode": False}, {"weight_decay": 0.0}, {"weight_decay": 0.0, "use_nvlamb": True}],
+}
+
+ALL_VARIANTS = [(op, i) for op, vs in VARIANTS.items() for i in range(len(vs))]
+
+
+def _check(name, args, got, want, out_got, out_want):
+    _assert_lists_equal(got, want)
+    if name == "multi_tensor_lamb_stage1_":
+        # The norms are reductions (summed in another order): compared with float64.
+        for a, b in zip(out_got, out_want):
+            torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+# ------------------------------------------------------------ case tables
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op,variant", ALL_VARIANTS, ids=[f"{o}-{i}" for o, i in ALL_VARIANTS])
+def test_kernel_matches_reference(device, case, precision, op, variant):
+    name, args = BUILDERS[op](case, precision, device, **VARIANTS[op][variant])
+    _check(name, args, *_run_both(name, args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_empty_lists(device, op):
+    name, args = BUILDERS[op]("fp32", "same", device)
+    empty = [[] if isinstance(a, list) else a for a in args]
+    if op in ("novograd", "lamb_stage2"):
+        empty = [torch.zeros(0, device=device) if isinstance(a, torch.Tensor) and a.dim() == 1
+                 and a.numel() == len(args[0]) else a for a in empty]
+    result = getattr(torch.ops.amp_patch, name)(*empty)
+    if op == "lamb_stage1":
+        assert result[0].shape == result[1].shape == (0,)
+
+
+POSITIONS = ["first", "middle", "last"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", list(BUILDERS))
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", POSITIONS)
+def test_nonfinite_propagates_like_reference(device, op, value, where):
+    """An inf/NaN grad (or param for stage 2) flows through the update as in the reference."""
+    name, args = BUILDERS[op]("mixed", "master", device)
+    poisoned = args[0][len(args[0]) // 2].view(-1)
+    poisoned[{"first": 0, "middle": poisoned.numel() // 2, "last": -1}[where]] = value
+    _check(name, args, *_run_both(name, args))
+
+
+# ------------------------------------------------------------ skipped steps
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", list(BUILDERS))
+@pytest.mark.parametrize("flag_dtype", [torch.float32, torch.int32], ids=["found_inf", "apex_noop"])
+def test_noop_flag_changes_nothing(device, op, flag_dtype):
+    """A set flag skips the whole step: every tensor keeps its bits, in kernel and reference."""
+    name, args = BUILDERS[op]("mixed", "master", device, noop=_flag(device, 1, flag_dtype))
+    before = _clone(list(args))
+    got, want, out_got, out_want = _run_both(name, args)
+    _assert_lists_equal(got, before)
+    _assert_lists_equal(want, before)
+    if op == "lamb_stage1":
+        assert not out_got[0].any() and not out_got[1].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_clear_noop_flag_is_a_normal_step(device, op):
+    name, args = BUILDERS[op]("mixed", "master", device, noop=_flag(device, 0.0))
+    _, plain = BUILDERS[op]("mixed", "master", device)
+    got, _, _, _ = _run_both(name, args)
+    want, _, _, _ = _run_both(name, plain)
+    _assert_lists_equal([a for a in got if isinstance(a, list)], [a for a in want if isinstance(a, list)])
+
+
+# ------------------------------------------------------------ one-pass O2 contract
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_half_grads_into_masters_and_model_in_one_call(device):
+    """Half grads times inv_scale update fp32 masters; the model copy is the rounded master."""
+    name, args = _adam_args("bf16", "master", device)
+    grads, masters, model = args[0], args[1], args[4]
+    grads_before = _clone(grads)
+    torch.ops.amp_patch.multi_tensor_adam_(*args)
+    assert_bitwise(grads, grads_before)  # grads are read only
+    assert_bitwise(model, [m.to(BF16) for m in masters])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lamb_stage1_norms_match_float64(device):
+    name, args = _lamb1_args("large", "master", device, use_nvlamb=True)
+    params = _clone(args[1])
+    pn, un = getattr(torch.ops.amp_patch, name)(*args)
+    exact = torch.stack([p.double().norm() for p in params]).cpu()
+    torch.testing.assert_close(pn.double().cpu(), exact, rtol=1e-6, atol=0)
+    assert (un > 0).all()
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    threads = torch.get_num_threads()
+    name, args = _lamb1_args("many", "master", "cpu", use_nvlamb=True)
+    try:
+        torch.set_num_threads(1)
+        one = _clone(list(args))
+        out_one = getattr(torch.ops.amp_patch, name)(*one)
+        torch.set_num_threads(max(2, threads))
+        two = _clone(list(args))
+        out_two = getattr(torch.ops.amp_patch, name)(*two)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_lists_equal(one, two)
+    assert_bitwise(list(out_one), list(out_two))
+
+
+# ------------------------------------------------------------ errors
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ["dispatched", "reference"])
+def test_mismatched_lists_raise(device, impl):
+    name, args = _adam_args("fp32", "same", device)
+    run = getattr(torch.ops.amp_patch, name) if impl == "dispatched" else ops._OPTIM_REFERENCE[name]
+    short = list(args)
+    short[2] = args[2][:-1]
+    with pytest.raises(RuntimeError, match="list lengths differ"):
+        run(*short)
+    wrong = list(args)
+    wrong[3] = [torch.zeros(5, device=device)] + args[3][1:]
+    with pytest.raises(RuntimeError, match="shape"):
+        run(*wrong)
+
+
+def test_native_kernel_names_op_list_and_dtype():
+    if not ops.has_native_kernel("cpu", "multi_tensor_adam_"):
+        pytest.skip("extension not built")
+    name, args = _adam_args("fp32", "same", "cpu")
+    args = list(args)
+    args[2] = [t.double() for t in args[2]]
+    with pytest.raises(RuntimeError, match=r"multi_tensor_adam_: exp_avgs\[0\] has dtype Double"):
+        torch.ops.amp_patch.multi_tensor_adam_(*args)
+
+
+def test_sgd_momentum_needs_buffers():
+    name, args = _sgd_args("fp32", "same", "cpu")
+    args = list(args)
+    args[2] = []
+    for run in (torch.ops.amp_patch.multi_tensor_sgd_, ops._sgd_ref):
+        with pytest.raises(RuntimeError, match="momentum_buffers has 0 tensors"):
+            run(*args)
+
+
+# ------------------------------------------------------------ registration
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_opcheck(device, op):
+    name, args = BUILDERS[op]("mixed", "master", device)
+    torch.library.opcheck(getattr(torch.ops.amp_patch, name).default, args)
+
+
+def test_native_cpu_kernels_serve_every_optimizer_op():
+    if not ops.has_native_kernel("cpu"):
+        if os.environ.get("AMP_PATCH_REQUIRE_EXT") == "1":
+            pytest.fail("AMP_PATCH_REQUIRE_EXT=1 but the CPU kernels are not registered")
+        pytest.skip("extension not built")
+    for name in ops._OPTIM_SCHEMAS:
+        assert ops.has_native_kernel("cpu", name), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+def test_cuda_kernels_serve_every_optimizer_op():
+    """A CUDA build that silently dropped the optimizer kernels would fall back to the reference."""
+    for name in ops._OPTIM_SCHEMAS:
+        assert ops.has_native_kernel("cuda", name), name
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
+def test_every_cpu_isa_matches_reference(capability):
+    """Forcing torch onto a lower ISA (ATEN_CPU_CAPABILITY) selects the matching optimizer loops."""
+    if not ops.has_native_kernel("cpu", "multi_tensor_adam_"):
+        pytest.skip("extension not built")
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, "tests")
+        import torch
+        from amp_patch import _C
+        import test_optimizers_ops as t
+        print(_C.cpu_capability())
+        for op, variants in t.VARIANTS.items():
+            for precision in t.PRECISIONS:
+                for variant in variants:
+                    name, args = t.BUILDERS[op]("mixed", precision, "cpu", **variant)
+                    t._check(name, args, *t._run_both(name, args))
+        print("ok")
+        """
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and proc.stdout.split() == [capability, "ok"], proc.stdout + proc.stderr
