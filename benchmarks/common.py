@@ -102,3 +102,10 @@ def write_section(name: str, body: str, path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def publish(name: str, body: str, write: bool = True) -> None:
+    """Print a section, and write it into the report unless ``write`` is False."""
+    print(body)
+    if write:
+        print(f"wrote {write_section(name, body)}")

@@ -3,10 +3,12 @@
 // Importing the module loads the shared library, whose static initialisers
 // register the C++ kernels with the dispatcher (TORCH_LIBRARY_IMPL in
 // csrc/cpu and csrc/cuda); the op schemas are defined in amp_patch/ops.py. The
-// module itself exposes one diagnostic, so no pybind11 is needed.
+// module exposes one diagnostic and the O1 wrapper type (o1_wrappers.cpp),
+// through the CPython API: no pybind11 module.
 #include <Python.h>
 
 #include "cpu/kernel_table.h"
+#include "o1_wrappers.h"
 
 namespace {
 
@@ -32,5 +34,10 @@ PyModuleDef module_def = {
 }  // namespace
 
 PyMODINIT_FUNC PyInit__C(void) {
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && amp_patch::o1::add_types(module) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }

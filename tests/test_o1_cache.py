@@ -13,11 +13,13 @@ import amp_patch
 from amp_patch import session as amp_session
 from amp_patch.patching.cache import WeightCastCache
 
+from _o1_samples import wrapper_path  # noqa: F401  (fixture: both wrapper paths)
+
 HALF = torch.bfloat16
 
 
 @pytest.fixture
-def cache():
+def cache(wrapper_path):
     amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=HALF, verbosity=0)
     return amp_session.current().casts.cache
 

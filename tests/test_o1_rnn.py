@@ -72,3 +72,46 @@ def test_vf_patch_is_undone():
     amp_patch.deinitialize()
     assert {n: torch._VF.__dict__.get(n) for n in before} == before
     assert torch._VF.lstm is torch._C._VariableFunctions.lstm
+
+
+@pytest.mark.parametrize("kind", [torch.nn.RNN, torch.nn.GRU, torch.nn.LSTM])
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("fp32_hidden", [False, True], ids=["no-hx", "fp32-hx"])
+def test_rnn_takes_a_half_input(o1, kind, packed, fp32_hidden):
+    # torch's RNNBase.check_input rejects an input whose dtype differs from the
+    # weights' unless autocast is on; under O1, as under Apex, a half input runs.
+    rnn = kind(3, 4, batch_first=True)
+    x = torch.randn(2, 3, 3, dtype=o1)
+    inp = pack_padded_sequence(x, [3, 2], batch_first=True) if packed else x
+    hx = None
+    if fp32_hidden:
+        h = torch.zeros(1, 2, 4)
+        hx = (h, h.clone()) if kind is torch.nn.LSTM else h
+    seq, hidden = _outputs(rnn(inp, hx))
+    assert seq.dtype == o1 and all(h.dtype == o1 for h in hidden)
+    seq.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in rnn.parameters())
+
+
+def test_rnn_half_input_matches_fp32_input(o1):
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(3, 4)
+    x = torch.randn(5, 2, 3).to(o1)
+    torch.testing.assert_close(lstm(x)[0], lstm(x.float())[0], rtol=0, atol=0)
+
+
+def test_rnn_half_input_still_rejected_with_casts_disabled(o1):
+    lstm = torch.nn.LSTM(3, 4)
+    with amp_patch.disable_casts(), pytest.raises(ValueError, match="does not match weight dtype"):
+        lstm(torch.randn(5, 2, 3, dtype=o1))
+    # The shape checks keep working under O1 for a half input.
+    with pytest.raises(RuntimeError, match="input.size"):
+        lstm(torch.randn(5, 2, 7, dtype=o1))
+
+
+def test_rnn_check_input_patch_is_undone():
+    before = torch.nn.RNNBase.__dict__["check_input"]
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", verbosity=0)
+    assert torch.nn.RNNBase.__dict__["check_input"] is not before
+    amp_patch.deinitialize()
+    assert torch.nn.RNNBase.__dict__["check_input"] is before

@@ -27,7 +27,9 @@ examples:
 """
 
 #: The benchmark scripts, in the order `bench` runs them; missing ones are skipped.
-BENCHMARKS = ("bench_kernels.py", "bench_overhead.py", "bench_o2_step.py", "bench_e2e.py")
+BENCHMARKS = (
+    "bench_kernels.py", "bench_overhead.py", "bench_compile.py", "bench_o2_step.py", "bench_e2e.py",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,45 +2,30 @@
 
 :func:`install` is what :func:`amp_patch.initialize` calls at O1. It gives the
 session its :class:`~amp_patch.patching.state.CastState` (``session.casts``)
-and patches ``torch``, ``torch.nn.functional``, ``torch.Tensor``, the RNN
-kernels in ``torch._VF`` and the registered user functions, recording every
-patch so that :func:`amp_patch.deinitialize` restores the very same objects.
+and patches every spelling of every listed op (:func:`spellings`: ``torch``,
+``torch.nn.functional``, ``torch.Tensor``, ``torch.special``,
+``torch.linalg``, the RNN kernels in ``torch._VF``) and the registered user
+functions, recording every patch so that :func:`amp_patch.deinitialize`
+restores the very same objects.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 
-from amp_patch.patching import lists, rnn
+from amp_patch.patching import rnn
+from amp_patch.patching.dynamo import RULES as _DYNAMO_RULES
 from amp_patch.patching.patcher import Patcher
 from amp_patch.patching.registry import REGISTRY
-from amp_patch.patching.state import CastState, disable_casts
+from amp_patch.patching.derive import Spelling, spellings
+from amp_patch.patching.state import CastState, active, disable_casts
 from amp_patch.patching.wrappers import Policy, make_wrapper
 
-__all__ = ["install", "namespaces", "CastState", "disable_casts"]
+__all__ = ["install", "spellings", "Spelling", "CastState", "disable_casts"]
 
 logger = logging.getLogger("amp_patch")
-
-
-def namespaces() -> list[tuple[Any, str, lists.CastLists]]:
-    """Every patched namespace: (object, printable prefix, its cast lists)."""
-    out = [(torch, "torch", lists.TORCH), (F, "torch.nn.functional", lists.FUNCTIONAL),
-           (torch.Tensor, "torch.Tensor", lists.TENSOR)]
-    out += [(vf, "torch._VF", vf_lists) for vf, vf_lists in rnn.targets()]
-    return out
-
-
-def _entries(cast_lists: lists.CastLists) -> Iterable[tuple[str, Policy, str | None]]:
-    for policy in (Policy.HALF, Policy.FP32, Policy.PROMOTE, Policy.SEQUENCE_PROMOTE,
-                   Policy.IN_PLACE_FP32, Policy.IN_PLACE):
-        for name in getattr(cast_lists, policy.value):
-            yield name, policy, None
-    for name, message in cast_lists.banned:
-        yield name, Policy.BANNED, message
 
 
 def install(session, *, allow_banned: bool = False, enable_caching: bool = True) -> Patcher:
@@ -71,6 +56,8 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
     state = CastState(session.props.half_dtype, allow_banned=allow_banned,
                       enable_caching=enable_caching)
     patcher = Patcher()
+    state.patches = patcher
+    dynamo_rules = None  # dynamo's maps once the patches are in (see patching/dynamo.py)
 
     def undo() -> None:
         try:
@@ -78,6 +65,7 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
         finally:
             state.cache.clear()
             session.casts = None
+            _DYNAMO_RULES.drop_if_rebuilt(dynamo_rules)
 
     session.casts = state
     session.on_close("O1 patches", undo)
@@ -96,13 +84,17 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
     def wrap(policy: Policy, qualname: str, message: str | None):
         return lambda original: make_wrapper(policy, original, state, qualname, message)
 
-    for target, prefix, cast_lists in namespaces():
-        for name, policy, message in _entries(cast_lists):
-            patcher.patch(target, name, wrap(policy, f"{prefix}.{name}", message))
+    for spelling in spellings():
+        patcher.patch(spelling.target, spelling.name,
+                      wrap(spelling.policy, spelling.qualname, spelling.message))
+    rnn.allow_half_inputs(patcher, state)
     for entry in list(REGISTRY.entries):
         owner = getattr(entry.target, "__name__", type(entry.target).__name__)
         if not patcher.patch(entry.target, entry.name, wrap(entry.policy, f"{owner}.{entry.name}", None)):
             logger.warning("amp_patch: registered %s.%s no longer exists; not patched", owner, entry.name)
+    # torch.compile must keep knowing the functions O1 wraps (see patching/dynamo.py).
+    dynamo_rules = _DYNAMO_RULES.snapshot(patcher)
+    _DYNAMO_RULES.watch_import(lambda: getattr(active(), "patches", None))
     logger.debug("amp_patch O1: %d functions and methods patched (half dtype %s)",
                  len(patcher), state.half_dtype)
     return patcher

@@ -20,6 +20,7 @@ def cacheable(tensor: torch.Tensor) -> bool:
 
 
 class _Entry(NamedTuple):
+    # csrc/o1_wrappers.cpp reads entries by position and key (id(param), dtype): keep both.
     cast: torch.Tensor
     version: int
     # The storage address. It changes with ``param.data = ...`` and with a move

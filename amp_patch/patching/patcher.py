@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import wrapt
 
-__all__ = ["Patcher", "PatchRecord"]
+__all__ = ["Patcher", "PatchRecord", "unwrapped"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -75,6 +76,31 @@ class Patcher:
         self.records.append(PatchRecord(parent, name, original, owned))
         return True
 
+    @contextlib.contextmanager
+    def showing_originals(self) -> Iterator[None]:
+        """Show torch's own functions on the patched attributes for the duration of the block.
+
+        Each attribute gets its original with every amp_patch wrapper peeled
+        off (:func:`unwrapped`: another patch set installed before this one,
+        such as the CPU half emulation, is under it), then the patches are
+        put back. For code that must see torch without amp_patch (see
+        :mod:`amp_patch.patching.dynamo`). Not thread-safe: other threads
+        see the originals meanwhile.
+
+        Example::
+
+            >>> with patcher.showing_originals():
+            ...     assert torch.mm is torch._C._VariableFunctions.mm
+        """
+        installed = [vars(r.parent)[r.name] for r in self.records]
+        for record in reversed(self.records):
+            _restore(record._replace(original=unwrapped(record.original)))
+        try:
+            yield
+        finally:
+            for record, replacement in zip(self.records, installed):
+                setattr(record.parent, record.name, replacement)
+
     def undo_all(self) -> None:
         """Restore every patch, last first. Every undo runs even if one fails.
 
@@ -85,14 +111,41 @@ class Patcher:
         while self.records:
             record = self.records.pop()
             try:
-                if record.owned:
-                    setattr(record.parent, record.name, record.original)
-                else:
-                    delattr(record.parent, record.name)
+                _restore(record)
             except Exception as exc:  # keep going: a half-restored torch is worse
                 failures.append(f"{_describe(record.parent)}.{record.name}: {exc!r}")
         if failures:
             raise RuntimeError("could not restore " + "; ".join(failures))
+
+
+def unwrapped(obj: Any) -> Any:
+    """``obj`` with amp_patch's wrappers peeled off.
+
+    An amp_patch wrapper keeps what it wraps as ``__wrapped__`` and carries
+    an attribute of its own named ``_amp_patch_*`` (the O1 wrappers'
+    ``_amp_patch_policy``, the CPU half emulation's ``_amp_patch_cpu_half``);
+    ``__wrapped__`` is followed through those only, so a torch function that
+    is itself a ``functools.wraps`` wrapper stays as it is.
+
+    Args:
+        obj: any attribute value.
+
+    Returns:
+        the innermost object that is not an amp_patch wrapper.
+    """
+    while True:
+        own = getattr(obj, "__dict__", None)
+        if not (isinstance(own, dict) and "__wrapped__" in own
+                and any(k.startswith("_amp_patch_") for k in own)):
+            return obj
+        obj = own["__wrapped__"]
+
+
+def _restore(record: PatchRecord) -> None:
+    if record.owned:
+        setattr(record.parent, record.name, record.original)
+    else:
+        delattr(record.parent, record.name)
 
 
 def _own_dict(parent: Any) -> dict:

@@ -32,6 +32,8 @@ class CastState:
             then call the original function untouched.
         cache (WeightCastCache): the weight-cast cache; ``cache.clear()`` ends
             an iteration (``scale_loss`` calls it on exit).
+        patches (Patcher or None): the installed O1 patches (set by
+            :func:`amp_patch.patching.install`).
     """
 
     def __init__(self, half_dtype: torch.dtype, allow_banned: bool = False,
@@ -42,6 +44,7 @@ class CastState:
         self.allow_banned = allow_banned
         self.enabled = True
         self.cache = WeightCastCache(enabled=enable_caching)
+        self.patches = None
 
     def __repr__(self) -> str:
         return (f"CastState(half_dtype={self.half_dtype}, enabled={self.enabled}, "

@@ -9,6 +9,23 @@ called with the cast ``self``.
 Every wrapper runs a tight pre-check over its arguments first and calls the
 original untouched, allocating nothing, when no floating tensor needs a
 cast. Only then does :func:`apply_policy` do the full work.
+
+Two implementations make the same decisions:
+
+- the Python wrapper built here, which is the whole policy;
+- when the compiled extension is loaded, ``amp_patch._C.CastWrapper``
+  (csrc/o1_wrappers.cpp) around it: it scans, casts and looks weights up in
+  the weight cache in C, and hands the Python wrapper whatever it does not
+  handle itself (nested containers that need casts, tensor subclasses, an
+  active TorchFunctionMode, refusals). ``AMP_PATCH_NO_EXT=1`` or a missing
+  extension leaves the Python wrapper alone.
+
+Under ``torch.compile`` (:func:`torch.compiler.is_compiling`) a wrapper
+lowers to plain casts with the same decisions and no weight cache: the
+cache's validity checks read version counters and storage addresses, which
+would make the graph depend on data. The compiled graph holds the casts
+themselves, so each weight is cast once per graph run, as autocast does.
+Dynamo traces the Python wrapper in place of the C one.
 """
 
 from __future__ import annotations
@@ -19,7 +36,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Policy", "make_wrapper", "apply_policy", "CASTABLE"]
+from amp_patch import ops as _ops
+
+__all__ = ["Policy", "make_wrapper", "apply_policy", "native_available", "CASTABLE"]
 
 _Tensor = torch.Tensor
 _FP32 = torch.float32
@@ -43,6 +62,39 @@ class Policy(enum.Enum):
     BANNED = "banned"
     IN_PLACE_FP32 = "in_place_fp32"
     IN_PLACE = "in_place"
+
+
+#: The policy codes of ``amp_patch._C.CastWrapper`` (the order of its ``Policy`` enum).
+_NATIVE_POLICY = {p: i for i, p in enumerate(Policy)}
+_compiling = torch.compiler.is_compiling
+
+
+def _native_type():
+    if not _ops.native_extension_loaded():
+        return None
+    from amp_patch import _C
+    return getattr(_C, "CastWrapper", None)
+
+
+#: ``amp_patch._C.CastWrapper``, or None without the extension (AMP_PATCH_NO_EXT=1).
+_CastWrapper = _native_type()
+#: Whether new wrappers use the C fast path; tests switch it to compare both paths.
+_use_native = _CastWrapper is not None
+
+
+def native_available() -> bool:
+    """Whether the O1 wrappers have their C fast path (the compiled extension is loaded).
+
+    Returns:
+        bool: False under ``AMP_PATCH_NO_EXT=1`` or without a built extension;
+        the Python wrappers then make the same decisions.
+
+    Example::
+
+        >>> amp_patch.patching.wrappers.native_available()
+        True
+    """
+    return _CastWrapper is not None
 
 
 def _collect(obj: Any, found: set) -> None:
@@ -203,10 +255,12 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
             is replaced by the offending dtype.
 
     Raises:
-        RuntimeError: a banned op got a half argument (without ``allow_banned``),
-            or an fp32 op was called in place on a half tensor.
+        NotImplementedError: a banned op got a half argument (without
+            ``allow_banned``), or an fp32 op was called in place on a half
+            tensor. Apex raised this type; it is a RuntimeError too.
     """
-    cache = state.cache
+    # Under torch.compile the graph holds the casts: no weight cache (see the module docstring).
+    cache = None if _compiling() else state.cache
     if policy is Policy.HALF:
         target = state.half_dtype
     elif policy is Policy.FP32 or policy is Policy.BANNED:
@@ -218,7 +272,7 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
             if half:
                 text = message or (f"{name} is banned under O1 for half inputs ({{dtype}}); "
                                    "pass allow_banned=True to run it in fp32")
-                raise RuntimeError("amp_patch O1: " + text.format(dtype=min(map(str, half))))
+                raise NotImplementedError("amp_patch O1: " + text.format(dtype=min(map(str, half))))
         target = _FP32
     elif policy is Policy.PROMOTE or policy is Policy.SEQUENCE_PROMOTE:
         found = set()
@@ -240,7 +294,7 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
         if not isinstance(this, _Tensor) or this.dtype not in CASTABLE:
             return fn(*args, **kwargs)
         if policy is Policy.IN_PLACE_FP32 and this.dtype in _HALVES:
-            raise RuntimeError(
+            raise NotImplementedError(
                 f"amp_patch O1: {name} runs in fp32, so its in-place form cannot store the "
                 f"result in a {this.dtype} tensor; use the out-of-place form "
                 f"({name.rstrip('_').replace('__i', '__')}) instead"
@@ -251,20 +305,9 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
     return fn(*args, **kwargs)
 
 
-def make_wrapper(policy: Policy, original: Callable, state, name: str,
-                 message: str | None = None) -> Callable:
-    """A function that applies ``policy`` around ``original``, reading ``state`` on every call.
-
-    Args:
-        policy (Policy): the casting rule.
-        original (callable): the function or unbound method being replaced.
-        state (CastState): read on every call (``enabled``, ``half_dtype``, ``cache``).
-        name (str): the op's qualified name, for error messages.
-        message (str, optional): the error text of a banned op.
-
-    Returns:
-        callable: the wrapper, carrying ``original`` as ``__wrapped__``.
-    """
+def _python_wrapper(policy: Policy, original: Callable, state, name: str,
+                    message: str | None) -> Callable:
+    """The whole policy in Python: the fallback of the C wrapper, and the wrapper without it."""
     if policy is Policy.HALF or policy is Policy.FP32:
         target = state.half_dtype if policy is Policy.HALF else _FP32
         needs = _OTHERS[target] if policy is Policy.HALF else _HALVES
@@ -273,6 +316,8 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
         # The commonest wrappers scan and cast in one pass, skipping apply_policy.
         def wrapper(*args, **kwargs):
             if state.enabled:
+                if _compiling():
+                    return apply_policy(policy, original, state, name, args, kwargs, message)
                 cast = _cast_items(args, target, cache)
                 if kwargs and _needs_cast(_inputs(kwargs), needs):
                     args, kwargs = _cast_args(args, kwargs, target, cache)
@@ -313,10 +358,51 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
                             or (kwargs and _needs_cast(_inputs(kwargs), needs))):
                         return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
+    _describe(wrapper, original, policy)
+    return wrapper
 
+
+def _describe(wrapper: Any, original: Callable, policy: Policy) -> None:
     try:
         functools.update_wrapper(wrapper, original)
     except (AttributeError, TypeError):
         wrapper.__wrapped__ = original
     wrapper._amp_patch_policy = policy
+
+
+def make_wrapper(policy: Policy, original: Callable, state, name: str,
+                 message: str | None = None) -> Callable:
+    """A function that applies ``policy`` around ``original``, reading ``state`` on every call.
+
+    With the compiled extension this is an ``amp_patch._C.CastWrapper``
+    (see the module docstring), else the Python wrapper; both bind like
+    functions when installed on a class.
+
+    Args:
+        policy (Policy): the casting rule.
+        original (callable): the function or unbound method being replaced.
+        state (CastState): read on every call (``enabled``, ``half_dtype``, ``cache``).
+        name (str): the op's qualified name, for error messages.
+        message (str, optional): the error text of a banned op.
+
+    Returns:
+        callable: the wrapper, carrying ``original`` as ``__wrapped__``.
+
+    Example::
+
+        >>> wrapper = make_wrapper(Policy.FP32, torch.exp, state, "torch.exp")
+        >>> wrapper(torch.ones(2, dtype=torch.bfloat16)).dtype
+        torch.float32
+    """
+    fallback = _python_wrapper(policy, original, state, name, message)
+    if not _use_native or _CastWrapper is None:
+        return fallback
+    target = (state.half_dtype if policy is Policy.HALF
+              else _FP32 if policy is Policy.FP32 else None)
+    wrapper = _CastWrapper(original, fallback, state, state.cache, _NATIVE_POLICY[policy], target)
+    _describe(wrapper, original, policy)
+    # Dynamo cannot trace into C: this (the protocol of torch.jit.script_if_tracing)
+    # makes it trace the Python wrapper, which lowers to plain casts under compile.
+    setattr(wrapper, "__script_if_tracing_wrapper", True)
+    setattr(wrapper, "__original_fn", fallback)
     return wrapper
