@@ -28,7 +28,8 @@ examples:
 
 #: The benchmark scripts, in the order `bench` runs them; missing ones are skipped.
 BENCHMARKS = (
-    "bench_kernels.py", "bench_overhead.py", "bench_compile.py", "bench_o2_step.py", "bench_e2e.py",
+    "bench_kernels.py", "bench_optimizers.py", "bench_overhead.py", "bench_compile.py",
+    "bench_o2_step.py", "bench_cpu_half.py", "bench_e2e.py", "bench_compare_repeat.py",
 )
 
 
@@ -57,7 +58,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
         epilog="examples:\n  amp-patch bench\n  amp-patch bench --only kernels e2e\n")
     p.add_argument("--only", nargs="+", metavar="NAME",
                    choices=[b[len("bench_"):-len(".py")] for b in BENCHMARKS],
-                   help="run only these (kernels, overhead, o2_step, e2e)")
+                   help="run only these ("
+                        + ", ".join(b[len("bench_"):-len(".py")] for b in BENCHMARKS) + ")")
     p.set_defaults(func=_bench, parser=p)
 
 
