@@ -19,8 +19,9 @@ import pytest
 LEGACY = Path(__file__).resolve().parent.parent / "examples" / "legacy"
 
 
-def _run(tmp_path: Path, script: str, *args: str, hook: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "amp_patch", "run"] if hook else [sys.executable]
+def _run(tmp_path: Path, script: str, *args: str, hook: bool = True,
+         run_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "amp_patch", "run", *run_args] if hook else [sys.executable]
     proc = subprocess.run([*cmd, str(LEGACY / script), *args], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -37,11 +38,12 @@ def _steps(stdout: str) -> dict[int, tuple[float, float, str]]:
 
 
 def _check_run_and_resume(tmp_path: Path, script: str, args: list[str], overflow: int,
-                          save: int, scale_after_overflow) -> subprocess.CompletedProcess:
+                          save: int, scale_after_overflow,
+                          run_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Run with an overflow and a checkpoint, resume from it; return the first run."""
     ckpt_dir = tmp_path / "ckpt"
     full = _run(tmp_path, script, *args, "--overflow_step", str(overflow), "--save_step",
-                str(save), "--output_dir", str(ckpt_dir))
+                str(save), "--output_dir", str(ckpt_dir), run_args=run_args)
     steps = _steps(full.stdout)
     losses = [loss for loss, _, _ in steps.values() if loss != float("inf")]
     assert sum(losses[-4:]) < 0.8 * sum(losses[:4]), losses  # it learns
@@ -52,7 +54,8 @@ def _check_run_and_resume(tmp_path: Path, script: str, args: list[str], overflow
     assert scale == scale_after_overflow(steps[overflow - 1][1])
     assert steps[overflow + 1][2] != digest  # and training went on
 
-    resumed = _run(tmp_path, script, *args, "--resume", str(ckpt_dir / "checkpoint.pt"))
+    resumed = _run(tmp_path, script, *args, "--resume", str(ckpt_dir / "checkpoint.pt"),
+                   run_args=run_args)
     again = _steps(resumed.stdout)
     assert sorted(again) == [s for s in sorted(steps) if s >= save]
     assert all(again[s] == steps[s] for s in again), "the resumed run differs"
@@ -64,11 +67,16 @@ def _check_run_and_resume(tmp_path: Path, script: str, args: list[str], overflow
     ("0", lambda s: s / 2),        # dynamic: halves
     ("128", lambda s: s),          # static: unchanged (the step is still skipped)
 ], ids=["dynamic", "static"])
-def test_bert_fine_tuner_fp16_optimizer(tmp_path, loss_scale, after_overflow):
+@pytest.mark.parametrize("run_args, half", [
+    ((), "torch.float16"),
+    # The script picks "cuda" when available; on the CPU, model.half() means the CPU half (bf16).
+    (("--device", "cpu"), "torch.bfloat16"),
+], ids=["as-is", "device-cpu"])
+def test_bert_fine_tuner_fp16_optimizer(tmp_path, loss_scale, after_overflow, run_args, half):
     out = _check_run_and_resume(tmp_path, "bert_finetune_fp16.py",
                                 ["--fp16", "--loss_scale", loss_scale], overflow=7, save=12,
-                                scale_after_overflow=after_overflow).stdout
-    assert "parameters are torch.float16" in out
+                                scale_after_overflow=after_overflow, run_args=run_args).stdout
+    assert f"parameters are {half}" in out
     if loss_scale == "128":
         assert {scale for _, scale, _ in _steps(out).values()} == {128.0}
 

@@ -69,12 +69,15 @@ def main():
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--train_batch_size", type=int, default=16)
     parser.add_argument("--num_train_steps", type=int, default=24)
+    parser.add_argument("--no_cuda", action="store_true")
     args = parse_args_with_checkpoints(parser, "bert_output")
 
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu")
     torch.manual_seed(42)
     model = TinyBertForSequenceClassification()
     if args.fp16:
         model.half()
+    model.to(device)
 
     no_decay = ["bias", "layer_norm.weight", "norm1.weight", "norm2.weight"]
     param_optimizer = list(model.named_parameters())
@@ -105,7 +108,7 @@ def main():
 
     model.train()
     while global_step < args.num_train_steps:
-        input_ids, labels = get_batch(global_step, args.train_batch_size)
+        input_ids, labels = (t.to(device) for t in get_batch(global_step, args.train_batch_size))
         loss = model(input_ids, labels)
         if global_step == args.overflow_step:
             loss = loss * float("inf")
