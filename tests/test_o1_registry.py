@@ -138,3 +138,32 @@ def test_legacy_allow_banned():
     amp_patch.init()
     with pytest.raises(RuntimeError, match="BCEWithLogitsLoss"):
         torch.nn.functional.binary_cross_entropy(p, t)
+
+
+def test_registration_wins_over_the_o1_lists(registry):
+    # torch.mm is on the half list; the user's fp32 registration must decide for
+    # torch.mm (no half round trip: bit-equal to fp32), while Tensor.mm, which the
+    # registration does not name, keeps the list's policy.
+    a = torch.randn(8, 8)
+    expected = torch.mm(a, a)
+    amp_patch.register_float_function(torch, "mm")
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=HALF, verbosity=0)
+    out = torch.mm(a, a.to(HALF))
+    assert out.dtype == torch.float32
+    assert torch.equal(torch.mm(a, a), expected)
+    assert a.mm(a).dtype == HALF
+
+
+def test_registrations_are_consumed_by_the_o1_initialize(registry):
+    # As Apex's init() did: an O1 initialize patches the registrations, then forgets
+    # them; a later session needs them registered again. Other levels keep them.
+    amp_patch.register_float_function(torch, "mm")
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O2", verbosity=0)
+    amp_patch.deinitialize()
+    assert len(registry.entries) == 1
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=HALF, verbosity=0)
+    assert registry.entries == []
+    amp_patch.deinitialize()
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=HALF, verbosity=0)
+    a = torch.randn(2, 2)
+    assert torch.mm(a, a).dtype == HALF
