@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -36,6 +37,37 @@ def test_disable_casts_nests_and_restores_on_exception(o1):
     with pytest.raises(KeyError):
         with amp_patch.disable_casts():
             raise KeyError
+    assert torch.mm(a, a).dtype == HALF
+
+
+def test_disable_casts_interleaved_across_threads(o1):
+    # A enters, B enters, A exits, B exits: casting stays off until the last block
+    # ends and is back on afterwards (a saved-and-restored flag ends up off for good).
+    casts = amp_patch.session.current().casts
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with amp_patch.disable_casts():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(5)
+        with amp_patch.disable_casts():
+            b_in.set()
+            a_out.wait(5)
+            seen["after_a"] = casts.enabled
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"after_a": False}
+    assert casts.enabled
+    a = torch.randn(2, 2)
     assert torch.mm(a, a).dtype == HALF
 
 
