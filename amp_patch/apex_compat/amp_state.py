@@ -185,6 +185,10 @@ class _Handle(AmpHandle):
             self._session.casts.cache.clear()
 
 
+def _serial(session: _session.AmpSession | None) -> int | None:
+    return None if session is None else session.serial
+
+
 class AmpState(_View):
     """Apex's ``_amp_state``, answered from the live amp_patch session.
 
@@ -253,7 +257,7 @@ class AmpState(_View):
     def verbosity(self) -> int:
         """The logging verbosity: the session's, unless set since it began (1 with no session)."""
         session = _session.current()
-        if self._verbosity is not None and self._verbosity[0] is session:
+        if self._verbosity is not None and self._verbosity[0] == _serial(session):
             return self._verbosity[1]
         return session.props.verbosity if session is not None else 1
 
@@ -262,7 +266,8 @@ class AmpState(_View):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"verbosity must be an int >= 0, got {value!r}")
         _logging.configure(value)
-        object.__setattr__(self, "_verbosity", (_session.current(), value))
+        # The session's serial, not the session: a closed session must not be kept alive.
+        object.__setattr__(self, "_verbosity", (_serial(_session.current()), value))
 
     @property
     def allow_incoming_model_not_fp32(self) -> bool:
