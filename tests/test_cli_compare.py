@@ -58,7 +58,7 @@ def test_compare_all_levels_json_png_table(tmp_path):
         assert r["peak_memory_bytes"] == max(r["round_peak_bytes"])
     machine = data["machine"]
     assert machine["cpu_model"] and machine["threads"] >= 1 and machine["cpus"] >= 1
-    assert machine["torch"] == data["config"]["torch"] and "mkldnn_bf16" in machine
+    assert machine["torch"] == data["config"]["torch"]
     assert set(machine["cpu_half"]) >= {"bf16", "fp16", "host"}
     assert data["cpu_half_plan"]["half_dtype"] == "bf16"
     assert data["notes"][0].startswith("CPU half compute:")
@@ -285,6 +285,18 @@ def test_speeds_need_three_rounds_and_ratios_pair_rounds():
     assert results[0].steps_per_s == 2.0 and results[0].steps_per_s_range == [1.0, 2.0]
     # Round by round, O2 was 2x, 2x and 4x O0: a slow round for both is no spread of the ratio.
     assert results[1].speedup_vs_O0 == 2.0 and results[1].speedup_range == [2.0, 4.0]
+
+
+def test_host_line_gives_the_cpu_half_verdict():
+    # The verdict is cpu_half_support()'s (oneDNN and the probe), not oneDNN's check alone.
+    from amp_patch import cpu_half
+
+    for native, word in ((False, "not native"), (True, "native")):
+        with cpu_half.override(bfloat16=native):
+            facts = machine.HostFacts.collect("cpu")
+            assert f"bf16 {word}," in facts.line()
+            assert facts.cpu_half["bf16"]["native"] is native
+            assert facts.cpu_model == cpu_half.cpu_half_support().cpu
 
 
 def test_reliability_warnings():

@@ -397,9 +397,9 @@ class CudaOnCpu:
     def _patch_torch_cuda(self) -> None:
         cuda, rng = torch.cuda, torch.random
         get_state, set_state, initial_seed = rng.get_rng_state, rng.set_rng_state, rng.initial_seed
-        from amp_patch.cli.machine import cpu_model
+        from amp_patch import cpu_half_support
 
-        name = f"CPU ({cpu_model()}) under amp-patch run --device cpu"
+        name = f"CPU ({cpu_half_support().cpu}) under amp-patch run --device cpu"
 
         def set_device(device: Any) -> None:
             index = _index(device)
