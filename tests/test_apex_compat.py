@@ -16,7 +16,6 @@ import amp_patch
 from amp_patch.apex_compat import import_hook
 
 
-
 @pytest.fixture
 def hook():
     with import_hook.apex_import_hook(shadow_apex=True) as finder:
