@@ -141,6 +141,18 @@ class OptPropertiesView(_View):
 
     Args:
         props (amp_patch.Properties): the properties to show.
+
+    Example::
+
+        >>> from apex import amp                             # under amp-patch run
+        >>> model, opt = amp.initialize(model, opt, opt_level="O2")
+        >>> view = amp._amp_state.opt_properties
+        >>> view.opt_level, view.options["master_weights"]
+        ('O2', True)
+        >>> view.opt_level = "O1"
+        Traceback (most recent call last):
+        ...
+        AttributeError: _amp_state.opt_properties.opt_level is read-only under amp_patch. ...
     """
 
     __slots__ = ("_props",)
