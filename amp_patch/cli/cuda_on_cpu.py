@@ -477,6 +477,7 @@ class CudaOnCpu:
 
         for cuda_type, cpu in cuda_types.items():
             self._set(torch.cuda, cuda_type.__name__, cpu)
+
         def tensor_type(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
             def type_(self_: torch.Tensor, dtype: Any = None, non_blocking: bool = False,
@@ -530,6 +531,7 @@ class CudaOnCpu:
         # DataParallel over no accelerator is the module itself, as on a CPU-only machine.
         self._set(importlib.import_module("torch.nn.parallel.data_parallel"),
                   "_get_available_device_type", lambda: None)
+
         def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Any = None,
                           output_device: Any = None, dim: int = 0,
                           module_kwargs: dict | None = None) -> Any:
