@@ -332,11 +332,14 @@ def test_load_monitor_counts_other_processes():
 
 @pytest.mark.slow
 def test_compare_warns_under_injected_load(tmp_path):
+    # reliability_warnings' rules are test_reliability_warnings'; this checks that compare
+    # measures the load and reports it. Busy loops on half the CPUs take ~50% of the machine,
+    # well over the 20% limit, and leave the other half to compare.
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(machine.cpu_count())]
+            for _ in range(max(1, machine.cpu_count() // 2))]
     try:
-        proc = _compare(tmp_path, "--model", "user_models:make", "--steps", "8",
+        proc = _compare(tmp_path, "--model", "user_models:make", "--steps", "4",
                         "--levels", "O0", "O3", "--json", "r.json")
     finally:
         for p in busy:
