@@ -20,6 +20,15 @@ class AmpHandle:
     Args:
         session (AmpSession or None): the session holding the patches; None
             for a disabled handle.
+
+    Example::
+
+        >>> handle = amp.init()
+        >>> handle.is_active()
+        True
+        >>> handle._deactivate()      # torch's functions are the originals again
+        >>> handle.is_active()
+        False
     """
 
     def __init__(self, session: _session.AmpSession | None) -> None:
@@ -49,7 +58,9 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     Args:
         enabled (bool, optional): False returns an inactive handle and patches
             nothing. Default: True.
-        loss_scale (float or str, optional): kept in the session's properties.
+        loss_scale (float or str, optional): validated and kept in the session's
+            properties, but it has no effect: :func:`init` makes no loss
+            scaler (use :func:`amp_patch.initialize` for loss scaling).
             Default: ``"dynamic"``.
         enable_caching (bool, optional): cast each fp32 weight once per
             iteration. Default: True.

@@ -299,6 +299,11 @@ def native_extension_loaded() -> bool:
 
     Returns:
         bool: True when the C++ kernels were built and imported.
+
+    Example::
+
+        >>> amp_patch.ops.native_extension_loaded()   # False under AMP_PATCH_NO_EXT=1
+        True
     """
     return _NATIVE_LOADED
 
@@ -356,6 +361,16 @@ def multi_tensor_unscale_copy_(
         dst (list of Tensor): outputs of the same shapes (usually fp32).
         found_inf (Tensor): one-element float flag, set on inf/NaN in ``src``.
         inv_scale (Tensor): one-element float tensor holding ``1 / scale``.
+
+    Example::
+
+        >>> half_grads = [p.grad for p in model.parameters()]
+        >>> master_grads = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
+        >>> found_inf = torch.zeros(1)
+        >>> multi_tensor_unscale_copy_(half_grads, master_grads, found_inf,
+        ...                            torch.full((1,), 1 / 65536.0))
+        >>> bool(found_inf)          # True when a half grad held an inf or NaN
+        False
     """
     _ops.multi_tensor_unscale_copy_(src, dst, found_inf, inv_scale)
 
@@ -371,6 +386,13 @@ def multi_tensor_axpby_(
         found_inf (Tensor): one-element float flag, set on inf/NaN in ``x``.
         a (float): coefficient of ``x``.
         b (float): coefficient of ``y``.
+
+    Example::
+
+        >>> x, y = [torch.ones(3)], [torch.full((3,), 2.0)]
+        >>> multi_tensor_axpby_(x, y, torch.zeros(1), 0.5, 2.0)
+        >>> y[0]
+        tensor([4.5000, 4.5000, 4.5000])
     """
     _ops.multi_tensor_axpby_(x, y, found_inf, a, b)
 
@@ -386,6 +408,12 @@ def multi_tensor_l2norm(x: list[Tensor], per_tensor: bool = False) -> tuple[Tens
         tuple of Tensor: ``(total, per_tensor_norms)``. ``total`` is a 0-dim fp32
         tensor; ``per_tensor_norms`` has ``len(x)`` elements, or none when
         ``per_tensor`` is False.
+
+    Example::
+
+        >>> total, each = multi_tensor_l2norm([torch.full((4,), 3.0), torch.full((9,), 4.0)], True)
+        >>> total, each
+        (tensor(13.4164), tensor([ 6., 12.]))
     """
     return _ops.multi_tensor_l2norm(x, per_tensor)
 
@@ -396,6 +424,12 @@ def multi_tensor_copy_(src: list[Tensor], dst: list[Tensor]) -> None:
     Args:
         src (list of Tensor): sources.
         dst (list of Tensor): destinations of the same shapes, any floating dtype.
+
+    Example::
+
+        >>> masters = [torch.randn(4, 4), torch.randn(4)]
+        >>> model = [torch.empty(4, 4, dtype=torch.bfloat16), torch.empty(4, dtype=torch.bfloat16)]
+        >>> multi_tensor_copy_(masters, model)   # each master rounded to bf16
     """
     _ops.multi_tensor_copy_(src, dst)
 
@@ -710,8 +744,6 @@ def _novograd_ref(grads, params, exp_avgs, grad_norms, model_params, noop, inv_s
                 update = update + wd * p
             p = p - lr * update
         _commit(keep, (params[i], p), (exp_avgs[i], m), *_out(model_params, i, p))
-
-
 
 
 def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, global_grad_norm,

@@ -61,6 +61,16 @@ class Properties:
             half inputs, outputs rounded to half) exactly where
             :func:`amp_patch.cpu_half_support` reports the host not native;
             ``"native"`` never emulates; ``"emulate"`` always does.
+
+    Example::
+
+        >>> props = Properties.from_opt_level("O2", torch.bfloat16, loss_scale=128.0)
+        >>> props.cast_model_type, props.master_weights, props.loss_scale
+        (torch.bfloat16, True, 128.0)
+        >>> dataclasses.replace(props, opt_level="O5")
+        Traceback (most recent call last):
+        ...
+        ValueError: Unexpected optimization level 'O5'. Options are 'O0', 'O1', 'O2', 'O3'. ...
     """
 
     opt_level: str = "O1"

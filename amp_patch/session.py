@@ -1,7 +1,13 @@
-"""The one piece of global state: the live :class:`AmpSession`, if any.
+"""The live :class:`AmpSession`, if any: the one global pointer to what ``initialize`` built.
 
-Beside it, a weak table remembers which optimizers closed sessions had, only to
-word the error when a script goes on using one.
+Everything a session creates hangs off that object and goes with it. Beside the
+pointer, a weak table here remembers which optimizers closed sessions had, only
+to word the error when a script goes on using one. Other module-level state in
+amp_patch is not a session's: the O1 registrations waiting for the next
+``initialize`` (:mod:`amp_patch.patching.registry`), the cached CPU half
+detection and its overrides (:mod:`amp_patch.cpu_half`), torch.compile's
+snapshot of the patched functions (:mod:`amp_patch.patching.dynamo`) and the
+logging handler.
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ class AmpSession:
         self.scale_loss_open = False
         self.serial = next(_serials)
         self.cpu_half: CpuHalfPlan | None = None
-        self._undo: list[tuple[str, Callable[[], None]]] = []
+        # (what, undo, abort-only undo or None): see on_close.
+        self._undo: list[tuple[str, Callable[[], None] | None, Callable[[], None] | None]] = []
         self.closed = False
 
     def on_close(self, what: str, undo: Callable[[], None] | None,

@@ -16,7 +16,6 @@ import amp_patch
 from amp_patch.apex_compat import import_hook
 
 
-
 @pytest.fixture
 def hook():
     with import_hook.apex_import_hook(shadow_apex=True) as finder:
@@ -299,6 +298,25 @@ def test_amp_state_properties_handle_and_errors(hook):
 
     amp.initialize(nn.Linear(2, 2), opt_level="O2", verbosity=0)
     assert not _amp_state.handle.is_active() and _amp_state.opt_properties.master_weights
+
+
+def test_amp_state_verbosity_does_not_keep_a_closed_session_alive():
+    import gc
+    import weakref
+
+    from amp_patch.apex_compat.amp_state import amp_state
+
+    model = nn.Linear(2, 2)
+    amp_patch.initialize(model, opt_level="O2", verbosity=0)
+    amp_state.verbosity = 0
+    assert amp_state.verbosity == 0
+    session = weakref.ref(amp_patch.session.current())
+    amp_patch.deinitialize()
+    del model
+    gc.collect()
+    assert session() is None
+    amp_patch.initialize(nn.Linear(2, 2), opt_level="O2", verbosity=1)
+    assert amp_state.verbosity == 1  # the value set belonged to the closed session
 
 
 # -------------------------------------------------------------- no silent misses

@@ -58,7 +58,7 @@ def test_compare_all_levels_json_png_table(tmp_path):
         assert r["peak_memory_bytes"] == max(r["round_peak_bytes"])
     machine = data["machine"]
     assert machine["cpu_model"] and machine["threads"] >= 1 and machine["cpus"] >= 1
-    assert machine["torch"] == data["config"]["torch"] and "mkldnn_bf16" in machine
+    assert machine["torch"] == data["config"]["torch"]
     assert set(machine["cpu_half"]) >= {"bf16", "fp16", "host"}
     assert data["cpu_half_plan"]["half_dtype"] == "bf16"
     assert data["notes"][0].startswith("CPU half compute:")
@@ -287,6 +287,18 @@ def test_speeds_need_three_rounds_and_ratios_pair_rounds():
     assert results[1].speedup_vs_O0 == 2.0 and results[1].speedup_range == [2.0, 4.0]
 
 
+def test_host_line_gives_the_cpu_half_verdict():
+    # The verdict is cpu_half_support()'s (oneDNN and the probe), not oneDNN's check alone.
+    from amp_patch import cpu_half
+
+    for native, word in ((False, "not native"), (True, "native")):
+        with cpu_half.override(bfloat16=native):
+            facts = machine.HostFacts.collect("cpu")
+            assert f"bf16 {word}," in facts.line()
+            assert facts.cpu_half["bf16"]["native"] is native
+            assert facts.cpu_model == cpu_half.cpu_half_support().cpu
+
+
 def test_reliability_warnings():
     # The load average after a run counts the run's own processes: no warning from it.
     quiet = machine.LoadMonitor(load_before=[0.1, 0.1, 0.1], load_after=[1.9, 0.5, 0.2],
@@ -320,11 +332,14 @@ def test_load_monitor_counts_other_processes():
 
 @pytest.mark.slow
 def test_compare_warns_under_injected_load(tmp_path):
+    # reliability_warnings' rules are test_reliability_warnings'; this checks that compare
+    # measures the load and reports it. Busy loops on half the CPUs take ~50% of the machine,
+    # well over the 20% limit, and leave the other half to compare.
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(machine.cpu_count())]
+            for _ in range(max(1, machine.cpu_count() // 2))]
     try:
-        proc = _compare(tmp_path, "--model", "user_models:make", "--steps", "8",
+        proc = _compare(tmp_path, "--model", "user_models:make", "--steps", "4",
                         "--levels", "O0", "O3", "--json", "r.json")
     finally:
         for p in busy:

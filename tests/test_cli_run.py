@@ -104,9 +104,14 @@ def test_run_propagates_exit_code(tmp_path):
 
 
 def test_run_missing_script(tmp_path):
+    from amp_patch.cli.options import UsageError
+    from amp_patch.cli.run import run_script
+
     proc = subprocess.run([sys.executable, "-m", "amp_patch", "run", "no_such_script.py"],
                           capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode != 0 and "no such script" in proc.stderr
+    assert proc.returncode == 2 and "no such script: no_such_script.py" in proc.stderr
+    with pytest.raises(UsageError, match="no such script"):
+        run_script(str(tmp_path / "no_such_script.py"), [])
 
 
 @pytest.mark.slow

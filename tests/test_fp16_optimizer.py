@@ -255,6 +255,19 @@ def test_fp32_params_stay_and_half_params_get_masters():
         copy.deepcopy(opt)
 
 
+def test_state_of_a_stepped_optimizer_moves_to_the_masters_in_fp32():
+    model = _model(torch.bfloat16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 6, dtype=torch.bfloat16)).float().sum().backward()
+    inner.step()  # momentum buffers in bf16, keyed by the half params
+    before = {id(p): inner.state[p]["momentum_buffer"].clone() for p in model.parameters()}
+    opt = FP16_Optimizer(inner)
+    for half, master in zip(opt.all_fp16_params, opt.all_fp32_from_fp16_params):
+        assert half not in inner.state
+        buf = inner.state[master]["momentum_buffer"]
+        assert buf.dtype == torch.float32 and torch.equal(buf, before[id(half)].float())
+
+
 def test_wraps_served_fused_adam_and_lbfgs_closure():
     from amp_patch.apex_compat.optimizers import FusedAdam
 

@@ -1,6 +1,13 @@
 """Every spelling of every op on the O1 cast lists that the installed torch has: the
 dtype its policy promises, for function, method, operator, alias and in-place forms;
-float64 and integer inputs untouched; fp32 leaves get fp32 gradients."""
+float64 and integer inputs untouched; fp32 leaves get fp32 gradients.
+
+Per spelling, the checks run on the wrappers the session installs (the C fast path when
+built). What tells the two wrapper paths apart is the policy and how the wrapper is reached
+(a function, a Tensor method, an operator), not the op: each path runs one spelling of
+each such group (:func:`_one_per_group`), and test_o1_native.py runs every branch of
+both paths side by side.
+"""
 
 from __future__ import annotations
 
@@ -35,11 +42,45 @@ def _cases():
 CASES = _cases()
 
 
-@pytest.fixture
-def o1(request, wrapper_path):
-    half = getattr(request, "param", torch.bfloat16)
+def _kind(spelling) -> str:
+    if spelling.name.startswith("__"):
+        return "operator"
+    return "method" if spelling.target is torch.Tensor else "function"
+
+
+def _one_per_group(cases, dtype=torch.float32, candidates=False):
+    """One case per (policy, function/method/operator): the one whose sample has the most
+    floating tensors (the most for the wrapper to scan), or with ``candidates`` the whole
+    group in that order, as one param."""
+    groups = {}
+    for case in cases:
+        spelling = case.values[0]
+        groups.setdefault((spelling.policy, _kind(spelling)), []).append(case)
+    out = []
+    for (policy, kind), group in groups.items():
+        group = sorted(group, key=lambda c: -len(floating(sample(c.values[0], dtype))))
+        if candidates:
+            out.append(pytest.param([c.values for c in group], id=f"{policy.value}-{kind}"))
+        else:
+            out.append(pytest.param(*group[0].values, id=f"{policy.value}-{kind}"))
+    return out
+
+
+def _start_o1(half):
     amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=half, verbosity=0)
     return half
+
+
+@pytest.fixture
+def o1(request, wrapper_path):
+    """O1 on each wrapper path in turn."""
+    return _start_o1(getattr(request, "param", torch.bfloat16))
+
+
+@pytest.fixture
+def o1_default(request):
+    """O1 with the wrappers a session installs by default."""
+    return _start_o1(getattr(request, "param", torch.bfloat16))
 
 
 def test_every_spelling_has_a_sample():
@@ -63,8 +104,17 @@ def _first_half_rest_fp32(args, half):
 
 
 @pytest.mark.parametrize("spelling,original", CASES)
-def test_policy_dtype(o1, spelling, original):
-    half, name, policy = o1, spelling.name, spelling.policy
+def test_policy_dtype(o1_default, spelling, original):
+    _check_policy(o1_default, spelling, original)
+
+
+@pytest.mark.parametrize("spelling,original", _one_per_group(CASES))
+def test_policy_dtype_on_each_wrapper_path(o1, spelling, original):
+    _check_policy(o1, spelling, original)
+
+
+def _check_policy(half, spelling, original):
+    name, policy = spelling.name, spelling.policy
     if policy is Policy.HALF:
         args, kwargs = sample(spelling, torch.float32)
         out = call(spelling, args, kwargs)
@@ -120,22 +170,27 @@ def test_refusals_are_not_implemented_errors(o1, call):
         call(o1)
 
 
-@pytest.mark.parametrize("o1", [torch.float16], indirect=True, ids=["fp16"])
+@pytest.mark.parametrize("o1_default", [torch.float16], indirect=True, ids=["fp16"])
 @pytest.mark.parametrize("spelling,original",
                          [c for c in CASES if c.values[0].policy is Policy.HALF])
-def test_half_list_fp16(o1, spelling, original):
+def test_half_list_fp16(o1_default, spelling, original):
     args, kwargs = sample(spelling, torch.float32)
     out = call(spelling, args, kwargs)
     assert all(t.dtype == torch.float16 for t in floating(out))
 
 
-@pytest.mark.parametrize("spelling,original", CASES)
-def test_float64_passes_untouched(o1, spelling, original):
-    args, kwargs = sample(spelling, torch.float64)
-    try:
-        expected = original(*sample(spelling, torch.float64)[0], **kwargs)
-    except (RuntimeError, TypeError, NotImplementedError):
-        pytest.skip("the op itself does not take float64 here")
+@pytest.mark.parametrize("group", _one_per_group(CASES, torch.float64, candidates=True))
+def test_float64_passes_untouched(o1, group):
+    # The first spelling of the group whose op takes float64 on this device.
+    for spelling, original in group:
+        args, kwargs = sample(spelling, torch.float64)
+        try:
+            expected = original(*sample(spelling, torch.float64)[0], **kwargs)
+            break
+        except (RuntimeError, TypeError, NotImplementedError):
+            continue
+    else:
+        pytest.skip("no op of this group takes float64 here")
     out = call(spelling, args, kwargs)
     for got, want in zip(floating(out), floating(expected)):
         assert got.dtype == torch.float64
@@ -147,7 +202,7 @@ _INT_OK = {"add", "sub", "mul", "eq", "ne", "lt", "le", "gt", "ge", "sum", "prod
 
 
 @pytest.mark.parametrize("spelling,original",
-                         [c for c in CASES if c.values[0].name in _INT_OK])
+                         _one_per_group([c for c in CASES if c.values[0].name in _INT_OK]))
 def test_integers_pass_untouched(o1, spelling, original):
     args, kwargs = sample(spelling, torch.float32)
     ints = retype(args, lambda t: (t * 10).long())
@@ -157,8 +212,9 @@ def test_integers_pass_untouched(o1, spelling, original):
 
 
 @pytest.mark.parametrize("spelling,original",
-                         [c for c in CASES if c.values[0].policy in (Policy.HALF, Policy.FP32)
-                          and c.values[0].name not in ("cpu",)])
+                         _one_per_group([c for c in CASES
+                                         if c.values[0].policy in (Policy.HALF, Policy.FP32)
+                                         and c.values[0].name not in ("cpu",)]))
 def test_fp32_leaves_get_fp32_grads(o1, spelling, original):
     args, kwargs = sample(spelling, torch.float32, requires_grad=True)
     leaves = [t for t in floating(args) if t.is_leaf]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -36,6 +37,37 @@ def test_disable_casts_nests_and_restores_on_exception(o1):
     with pytest.raises(KeyError):
         with amp_patch.disable_casts():
             raise KeyError
+    assert torch.mm(a, a).dtype == HALF
+
+
+def test_disable_casts_interleaved_across_threads(o1):
+    # A enters, B enters, A exits, B exits: casting stays off until the last block
+    # ends and is back on afterwards (a saved-and-restored flag ends up off for good).
+    casts = amp_patch.session.current().casts
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with amp_patch.disable_casts():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(5)
+        with amp_patch.disable_casts():
+            b_in.set()
+            a_out.wait(5)
+            seen["after_a"] = casts.enabled
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"after_a": False}
+    assert casts.enabled
+    a = torch.randn(2, 2)
     assert torch.mm(a, a).dtype == HALF
 
 
@@ -138,3 +170,32 @@ def test_legacy_allow_banned():
     amp_patch.init()
     with pytest.raises(RuntimeError, match="BCEWithLogitsLoss"):
         torch.nn.functional.binary_cross_entropy(p, t)
+
+
+def test_registration_wins_over_the_o1_lists(registry):
+    # torch.mm is on the half list; the user's fp32 registration must decide for
+    # torch.mm (no half round trip: bit-equal to fp32), while Tensor.mm, which the
+    # registration does not name, keeps the list's policy.
+    a = torch.randn(8, 8)
+    expected = torch.mm(a, a)
+    amp_patch.register_float_function(torch, "mm")
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=HALF, verbosity=0)
+    out = torch.mm(a, a.to(HALF))
+    assert out.dtype == torch.float32
+    assert torch.equal(torch.mm(a, a), expected)
+    assert a.mm(a).dtype == HALF
+
+
+def test_registrations_are_consumed_by_the_o1_initialize(registry):
+    # As Apex's init() did: an O1 initialize patches the registrations, then forgets
+    # them; a later session needs them registered again. Other levels keep them.
+    amp_patch.register_float_function(torch, "mm")
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O2", verbosity=0)
+    amp_patch.deinitialize()
+    assert len(registry.entries) == 1
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=HALF, verbosity=0)
+    assert registry.entries == []
+    amp_patch.deinitialize()
+    amp_patch.initialize(torch.nn.Linear(1, 1), opt_level="O1", half_dtype=HALF, verbosity=0)
+    a = torch.randn(2, 2)
+    assert torch.mm(a, a).dtype == HALF

@@ -193,7 +193,12 @@ VARIANTS = {
     "lamb_stage2": [{}, {"adam_w_mode": False}, {"weight_decay": 0.0}, {"weight_decay": 0.0, "use_nvlamb": True}],
 }
 
-ALL_VARIANTS = [(op, i) for op, vs in VARIANTS.items() for i in range(len(vs))]
+# The kernels split into two parts that do not meet: the row planning, tiling and dtype
+# conversion (the case tables' subject, shared by the variants of an op) and the arithmetic on
+# fp32 tiles (the variants' subject, the same for every layout). So each op runs every case in
+# its first variant, and its other variants run on the "mixed" case (fp32, bf16 and fp16 grads,
+# sizes across the vector width and the tile): no case-by-variant product.
+OTHER_VARIANTS = [(op, i) for op, vs in VARIANTS.items() for i in range(1, len(vs))]
 
 
 def _check(name, args, got, want, out_got, out_want):
@@ -209,9 +214,17 @@ def _check(name, args, got, want, out_got, out_want):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("op,variant", ALL_VARIANTS, ids=[f"{o}-{i}" for o, i in ALL_VARIANTS])
-def test_kernel_matches_reference(device, case, precision, op, variant):
-    name, args = BUILDERS[op](case, precision, device, **VARIANTS[op][variant])
+@pytest.mark.parametrize("op", list(BUILDERS))
+def test_kernel_matches_reference(device, case, precision, op):
+    name, args = BUILDERS[op](case, precision, device, **VARIANTS[op][0])
+    _check(name, args, *_run_both(name, args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("op,variant", OTHER_VARIANTS, ids=[f"{o}-{i}" for o, i in OTHER_VARIANTS])
+def test_variant_matches_reference(device, precision, op, variant):
+    name, args = BUILDERS[op]("mixed", precision, device, **VARIANTS[op][variant])
     _check(name, args, *_run_both(name, args))
 
 

@@ -70,7 +70,6 @@ def test_o1_casts_each_weight_once_per_iteration(half_dtype):
         assert len(cache) == 0  # scale_loss ended the iteration
 
 
-
 def test_o2_master_grads_reuse_their_storage_across_iterations():
     model, opt, batch_fn, loss_fn = _lm()
     amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)

@@ -141,6 +141,18 @@ class OptPropertiesView(_View):
 
     Args:
         props (amp_patch.Properties): the properties to show.
+
+    Example::
+
+        >>> from apex import amp                             # under amp-patch run
+        >>> model, opt = amp.initialize(model, opt, opt_level="O2")
+        >>> view = amp._amp_state.opt_properties
+        >>> view.opt_level, view.options["master_weights"]
+        ('O2', True)
+        >>> view.opt_level = "O1"
+        Traceback (most recent call last):
+        ...
+        AttributeError: _amp_state.opt_properties.opt_level is read-only under amp_patch. ...
     """
 
     __slots__ = ("_props",)
@@ -183,6 +195,10 @@ class _Handle(AmpHandle):
         """Drop the O1 weight casts of this iteration (amp.scale_loss does it on exit)."""
         if self.is_active():
             self._session.casts.cache.clear()
+
+
+def _serial(session: _session.AmpSession | None) -> int | None:
+    return None if session is None else session.serial
 
 
 class AmpState(_View):
@@ -253,7 +269,7 @@ class AmpState(_View):
     def verbosity(self) -> int:
         """The logging verbosity: the session's, unless set since it began (1 with no session)."""
         session = _session.current()
-        if self._verbosity is not None and self._verbosity[0] is session:
+        if self._verbosity is not None and self._verbosity[0] == _serial(session):
             return self._verbosity[1]
         return session.props.verbosity if session is not None else 1
 
@@ -262,7 +278,8 @@ class AmpState(_View):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"verbosity must be an int >= 0, got {value!r}")
         _logging.configure(value)
-        object.__setattr__(self, "_verbosity", (_session.current(), value))
+        # The session's serial, not the session: a closed session must not be kept alive.
+        object.__setattr__(self, "_verbosity", (_serial(_session.current()), value))
 
     @property
     def allow_incoming_model_not_fp32(self) -> bool:

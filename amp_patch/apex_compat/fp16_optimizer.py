@@ -23,6 +23,7 @@ from torch import Tensor
 
 from amp_patch import ops, scaler as _scaler
 from amp_patch.apex_compat.amp_state import LossScalerView
+from amp_patch.optim.masters import MasterWeights
 from amp_patch.scaler import group_by_device_and_dtype
 
 __all__ = ["FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
@@ -217,27 +218,28 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
                             f"{', '.join(missing)}")
         self.verbose = verbose
         self.optimizer = init_optimizer
+        # The masters are made, and a resumed optimizer's half state moved to them in fp32, as
+        # amp's O2 does; only params that require a grad get one, as in Apex.
+        self._masters = MasterWeights()
         self.fp16_groups: list[list[Tensor]] = []
         self.fp32_from_fp16_groups: list[list[Tensor]] = []
         self.fp32_from_fp32_groups: list[list[Tensor]] = []
         for gi, group in enumerate(self.optimizer.param_groups):
-            half, masters, fp32 = [], [], []
-            for i, param in enumerate(group["params"]):
-                if not param.requires_grad:
-                    continue
-                if param.dtype in _HALF:
-                    master = param.detach().clone().float().requires_grad_(True)
-                    group["params"][i] = master
-                    if param in self.optimizer.state:
-                        self.optimizer.state[master] = self.optimizer.state.pop(param)
-                    half.append(param)
-                    masters.append(master)
-                elif param.dtype == torch.float32:
-                    fp32.append(param)
-                else:
+            trainable = [p for p in group["params"] if p.requires_grad]
+            for param in trainable:
+                if param.dtype not in _HALF and param.dtype != torch.float32:
                     raise TypeError(f"FP16_Optimizer: param group {gi} holds a {param.dtype} "
                                     f"parameter of shape {tuple(param.shape)}; expected "
                                     "float16, bfloat16 or float32")
+            half = [p for p in trainable if p.dtype in _HALF]
+            self._masters.attach({"params": list(half)}, self.optimizer.state)
+            masters = [self._masters.master_for(p) for p in half]
+            params = group["params"]
+            for i, param in enumerate(params):
+                master = self._masters.master_for(param)
+                if master is not None:
+                    params[i] = master
+            fp32 = [p for p in trainable if p.dtype == torch.float32]
             if verbose:
                 logger.debug("FP16_Optimizer param group %d: %d half params (fp32 masters made), "
                              "%d fp32 params", gi, len(half), len(fp32))
@@ -247,9 +249,6 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         self.all_fp16_params = [p for g in self.fp16_groups for p in g]
         self.all_fp32_from_fp16_params = [p for g in self.fp32_from_fp16_groups for p in g]
         self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
-        if self.optimizer.state:
-            # A state made for the half params (a resumed optimizer) is recast to the masters' fp32.
-            self.optimizer.load_state_dict(self.optimizer.state_dict())
 
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         self._scaler = self._make_scaler(static_loss_scale, dynamic_loss_args)
@@ -424,11 +423,8 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         self.first_closure_call_this_step = True
         return out
 
-    @torch.no_grad()
     def _master_params_to_model_params(self) -> None:
-        for (_, _), (masters, model_ps) in group_by_device_and_dtype(
-                self.all_fp32_from_fp16_params, self.all_fp16_params).items():
-            ops.multi_tensor_copy_(masters, model_ps)
+        self._masters.copy_to_model(self.all_fp32_from_fp16_params)
 
     def inspect_master_grad_data(self) -> list[list[Tensor | None]] | None:
         """The stepped tensors' grads, per param group (None after an overflow)."""

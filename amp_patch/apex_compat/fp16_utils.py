@@ -58,6 +58,13 @@ class tofp16(nn.Module):  # noqa: N801 - Apex's name
     Args:
         dtype (torch.dtype, optional): the target. Default: float16 for CUDA
             inputs, bfloat16 otherwise.
+
+    Example::
+
+        >>> tofp16()(torch.ones(2)).dtype          # a CPU input
+        torch.bfloat16
+        >>> tofp16()(torch.arange(2)).dtype        # integers pass
+        torch.int64
     """
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
@@ -71,7 +78,20 @@ class tofp16(nn.Module):  # noqa: N801 - Apex's name
 
 
 def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 - Apex's name
-    """Cast every affine batch norm in ``module`` back to fp32, in place; returns ``module``."""
+    """Cast every affine batch norm in ``module`` back to fp32, in place.
+
+    Args:
+        module (torch.nn.Module): the (half) model.
+
+    Returns:
+        torch.nn.Module: ``module`` itself.
+
+    Example::
+
+        >>> net = BN_convert_float(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).half())
+        >>> net[0].weight.dtype, net[1].weight.dtype
+        (torch.float16, torch.float32)
+    """
     for m in module.modules():
         if isinstance(m, _BatchNorm) and m.affine:
             m.float()
@@ -87,13 +107,35 @@ def network_to_half(network: nn.Module, dtype: torch.dtype | None = None) -> nn.
 
     Returns:
         torch.nn.Sequential: ``Sequential(tofp16(), network)``.
+
+    Example::
+
+        >>> net = network_to_half(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+        >>> net(torch.randn(2, 4)).dtype        # on the CPU
+        torch.bfloat16
     """
     dtype = dtype or _half_for(_model_device(network))
     return nn.Sequential(tofp16(dtype), BN_convert_float(network.to(dtype)))
 
 
 def convert_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast the floating parameters and buffers of ``module`` itself (not its children) to ``dtype``."""
+    """Cast the floating parameters and buffers of ``module`` itself (not its children) to ``dtype``.
+
+    Their grads are cast too; the tensors stay the same objects (``.data`` is replaced).
+
+    Args:
+        module (torch.nn.Module): the module.
+        dtype (torch.dtype): the target dtype.
+
+    Returns:
+        torch.nn.Module: ``module`` itself.
+
+    Example::
+
+        >>> seq = nn.Sequential(nn.Linear(4, 4))
+        >>> convert_module(seq, torch.bfloat16)[0].weight.dtype    # the child is not cast
+        torch.float32
+    """
     for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
         if t.is_floating_point():
             t.data = t.data.to(dtype)
@@ -103,7 +145,21 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast ``network`` to ``dtype``, leaving affine batch norms in fp32; in place, returns it."""
+    """Cast ``network`` to ``dtype``, leaving affine batch norms in fp32, in place.
+
+    Args:
+        network (torch.nn.Module): the model.
+        dtype (torch.dtype): the target dtype.
+
+    Returns:
+        torch.nn.Module: ``network`` itself.
+
+    Example::
+
+        >>> net = convert_network(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), torch.float16)
+        >>> net[0].weight.dtype, net[1].weight.dtype
+        (torch.float16, torch.float32)
+    """
     for m in network.modules():
         if isinstance(m, _BatchNorm) and m.affine:
             continue
@@ -117,6 +173,12 @@ class FP16Model(nn.Module):
     Args:
         network (torch.nn.Module): the model, converted in place.
         dtype (torch.dtype, optional): Default: float16 on CUDA, else bfloat16.
+
+    Example::
+
+        >>> model = FP16Model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+        >>> model(torch.randn(2, 4)).dtype      # fp32 input cast on the way in (CPU: bf16)
+        torch.bfloat16
     """
 
     def __init__(self, network: nn.Module, dtype: torch.dtype | None = None) -> None:
@@ -139,6 +201,12 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False):
 
     Returns:
         tuple: ``(model_params, master_params)``, both lists.
+
+    Example::
+
+        >>> model_params, master_params = prep_param_lists(nn.Linear(4, 4).half())
+        >>> [(p.dtype, m.dtype) for p, m in zip(model_params, master_params)]
+        [(torch.float16, torch.float32), (torch.float16, torch.float32)]
     """
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
@@ -152,7 +220,19 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False):
 
 def model_grads_to_master_grads(model_params: Iterable[torch.Tensor],
                                 master_params: list[torch.Tensor], flat_master: bool = False) -> None:
-    """Copy the model's grads into the fp32 masters' grads (None grads stay None)."""
+    """Copy the model's grads into the fp32 masters' grads (None grads stay None).
+
+    Args:
+        model_params (iterable of Tensor): the model's params, from :func:`prep_param_lists`.
+        master_params (list of Tensor): their masters, from the same call.
+        flat_master (bool, optional): the masters are one flat tensor. Default: False.
+
+    Example::
+
+        >>> loss.backward()                   # grads on the half model
+        >>> model_grads_to_master_grads(model_params, master_params)
+        >>> optimizer.step()                  # an optimizer over master_params
+    """
     model_params = list(model_params)
     if flat_master:
         master_params[0].grad.data.copy_(_flatten_dense_tensors([p.grad.data for p in model_params]))
@@ -168,7 +248,18 @@ def model_grads_to_master_grads(model_params: Iterable[torch.Tensor],
 
 def master_params_to_model_params(model_params: Iterable[torch.Tensor],
                                   master_params: list[torch.Tensor], flat_master: bool = False) -> None:
-    """Copy the fp32 masters' values back into the (half) model params."""
+    """Copy the fp32 masters' values back into the (half) model params.
+
+    Args:
+        model_params (iterable of Tensor): the model's params, from :func:`prep_param_lists`.
+        master_params (list of Tensor): their masters, from the same call.
+        flat_master (bool, optional): the masters are one flat tensor. Default: False.
+
+    Example::
+
+        >>> optimizer.step()                  # an optimizer over master_params
+        >>> master_params_to_model_params(model_params, master_params)
+    """
     model_params = list(model_params)
     if flat_master:
         for model, master in zip(model_params,
@@ -180,5 +271,18 @@ def master_params_to_model_params(model_params: Iterable[torch.Tensor],
 
 
 def to_python_float(t) -> float:
-    """A Python float from a one-element tensor (or a number)."""
+    """A Python float from a one-element tensor (or a number).
+
+    Args:
+        t (Tensor or sequence): a one-element tensor, or a sequence whose first
+            item is the number.
+
+    Returns:
+        float: the value.
+
+    Example::
+
+        >>> to_python_float(torch.tensor([2.5]))
+        2.5
+    """
     return t.item() if hasattr(t, "item") else float(t[0])

@@ -6,12 +6,11 @@ with Apex's constructor arguments: the tuning ones are mapped or ignored, the
 ones that change what is computed and that torch cannot express raise.
 :class:`SyncBatchNorm` is torch's with Apex's arguments (``channel_last``,
 ``fuse_relu``) and Apex's ``forward(input, z=None)``. ``LARC`` is amp_patch's
-(``amp_patch.apex_compat.larc``), loaded on first use.
+(``amp_patch.apex_compat.larc``), re-exported here as Apex did.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import torch

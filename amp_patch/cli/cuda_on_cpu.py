@@ -397,9 +397,9 @@ class CudaOnCpu:
     def _patch_torch_cuda(self) -> None:
         cuda, rng = torch.cuda, torch.random
         get_state, set_state, initial_seed = rng.get_rng_state, rng.set_rng_state, rng.initial_seed
-        from amp_patch.cli.machine import cpu_model
+        from amp_patch import cpu_half_support
 
-        name = f"CPU ({cpu_model()}) under amp-patch run --device cpu"
+        name = f"CPU ({cpu_half_support().cpu}) under amp-patch run --device cpu"
 
         def set_device(device: Any) -> None:
             index = _index(device)
@@ -477,6 +477,7 @@ class CudaOnCpu:
 
         for cuda_type, cpu in cuda_types.items():
             self._set(torch.cuda, cuda_type.__name__, cpu)
+
         def tensor_type(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
             def type_(self_: torch.Tensor, dtype: Any = None, non_blocking: bool = False,
@@ -530,6 +531,7 @@ class CudaOnCpu:
         # DataParallel over no accelerator is the module itself, as on a CPU-only machine.
         self._set(importlib.import_module("torch.nn.parallel.data_parallel"),
                   "_get_available_device_type", lambda: None)
+
         def data_parallel(module: torch.nn.Module, inputs: Any, device_ids: Any = None,
                           output_device: Any = None, dim: int = 0,
                           module_kwargs: dict | None = None) -> Any:

@@ -30,9 +30,7 @@ __all__ = [
     "MIN_ROUNDS",
     "HostFacts",
     "LoadMonitor",
-    "cpu_model",
     "cpu_count",
-    "mkldnn_bf16_supported",
     "relative_spread",
     "reliability_warnings",
     "cpu_half_banner",
@@ -52,31 +50,12 @@ SPREAD_LIMIT = 0.25
 MIN_ROUNDS = 3
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what :mod:`platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def cpu_count() -> int:
     """CPUs this process may run on (its affinity mask where the OS has one)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def mkldnn_bf16_supported() -> bool | None:
-    """oneDNN's own answer to whether this CPU has native bf16 (None when torch cannot say)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def _load_average() -> list[float] | None:
@@ -92,13 +71,13 @@ class HostFacts:
 
     Attributes:
         device (str): ``"cpu"`` or ``"cuda:N"``.
-        cpu_model (str): the CPU's model name.
+        cpu_model (str): the CPU's model name (:func:`amp_patch.cpu_half_support`'s ``cpu``).
         cpus (int): CPUs this process may run on.
         threads (int): torch's intra-op threads in the measuring processes.
         gpu_name (str or None): the CUDA device's name, when the device is one.
-        mkldnn_bf16 (bool or None): ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``.
         cpu_half (dict or None): on a CPU device,
-            :func:`amp_patch.cpu_half_support`'s answer (``.as_dict()``).
+            :func:`amp_patch.cpu_half_support`'s answer (``.as_dict()``): per
+            half dtype, oneDNN's check, the probe's ratios and the verdict.
         torch (str): torch's version.
         python (str): Python's version.
         platform (str): the OS and machine.
@@ -106,7 +85,7 @@ class HostFacts:
     Example::
 
         >>> HostFacts.collect("cpu").line()
-        'CPU AMD EPYC, 2 CPUs, 2 threads, native bf16 (oneDNN): yes; torch 2.13.0+cpu'
+        'CPU AMD EPYC, 2 CPUs, 2 threads, bf16 native, fp16 not native; torch 2.13.0+cpu'
     """
 
     device: str
@@ -114,7 +93,6 @@ class HostFacts:
     cpus: int
     threads: int
     gpu_name: str | None
-    mkldnn_bf16: bool | None
     cpu_half: dict[str, Any] | None
     torch: str
     python: str
@@ -133,20 +111,27 @@ class HostFacts:
 
         device = torch.device(device)
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        half = cpu_half_support().as_dict() if device.type == "cpu" else None
-        return cls(device=str(device), cpu_model=cpu_model(), cpus=cpu_count(),
+        support = cpu_half_support()
+        half = support.as_dict() if device.type == "cpu" else None
+        return cls(device=str(device), cpu_model=support.cpu, cpus=cpu_count(),
                    threads=threads if threads is not None else torch.get_num_threads(),
-                   gpu_name=gpu, mkldnn_bf16=mkldnn_bf16_supported(), cpu_half=half,
+                   gpu_name=gpu, cpu_half=half,
                    torch=torch.__version__,
                    python=platform.python_version(),
                    platform=f"{platform.system()} {platform.machine()}")
 
     def line(self) -> str:
-        """One line for a table's caption or a report's header."""
-        bf16 = {True: "yes", False: "no", None: "unknown"}[self.mkldnn_bf16]
+        """One line for a table's caption or a report's header.
+
+        On a CPU device it gives :func:`amp_patch.cpu_half_support`'s verdict
+        per half dtype (oneDNN's check confirmed by the probe).
+        """
         where = f"GPU {self.gpu_name}; " if self.gpu_name else ""
-        return (f"{where}CPU {self.cpu_model}, {self.cpus} CPUs, {self.threads} threads, "
-                f"native bf16 (oneDNN): {bf16}; torch {self.torch}")
+        parts = [f"CPU {self.cpu_model}", f"{self.cpus} CPUs", f"{self.threads} threads"]
+        if self.cpu_half:
+            parts += [f"{name} {'native' if self.cpu_half[name]['native'] else 'not native'}"
+                      for name in ("bf16", "fp16")]
+        return f"{where}{', '.join(parts)}; torch {self.torch}"
 
     def as_dict(self) -> dict[str, Any]:
         """The facts as a JSON-able dict."""

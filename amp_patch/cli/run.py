@@ -93,16 +93,19 @@ def run_script(target: str, args: list[str], *, module: bool = False, shadow_ape
         cuda_on_cpu (CudaOnCpu, optional): a mapping of CUDA calls onto the
             CPU, installed for the script's run. Default: none.
 
+    Raises:
+        UsageError: ``target`` is not a file (and ``module`` is False).
+
     Example::
 
         >>> run_script("main_amp.py", ["--opt-level", "O2"], cuda_on_cpu=CudaOnCpu(torch.bfloat16))
     """
+    if not module and not os.path.isfile(target):
+        raise UsageError(f"no such script: {target}")
     real = import_hook.real_installations()
     if real and not shadow_apex:
         print(f"amp-patch run: using the installed {', '.join(real)} ({'; '.join(real.values())}); "
               "pass --shadow-apex to use amp_patch instead", file=sys.stderr)
-    if not module and not os.path.isfile(target):
-        raise SystemExit(f"amp-patch run: no such script: {target}")
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     live_before = _session.current()
     finder = import_hook.install(shadow_apex)
@@ -146,8 +149,6 @@ def _main(ns: argparse.Namespace) -> int:
     if ns.half_dtype is not None and mapping is None:
         raise UsageError("--half-dtype applies with --device cpu only; elsewhere the script's own "
                          "choice of half type holds")
-    if not ns.module and not os.path.isfile(ns.target):
-        raise UsageError(f"no such script: {ns.target}")
     if mapping is not None:
         _logging.configure(1)  # the start-up message says what is mapped
     run_script(ns.target, ns.args, module=ns.module, shadow_apex=ns.shadow_apex,

@@ -6,7 +6,9 @@ and patches every spelling of every listed op (:func:`spellings`: ``torch``,
 ``torch.nn.functional``, ``torch.Tensor``, ``torch.special``,
 ``torch.linalg``, the RNN kernels in ``torch._VF``) and the registered user
 functions, recording every patch so that :func:`amp_patch.deinitialize`
-restores the very same objects.
+restores the very same objects. A registration takes the place of the list's
+wrapper on the attribute it names, and is consumed (see
+:class:`~amp_patch.patching.registry.Registry`).
 """
 
 from __future__ import annotations
@@ -84,11 +86,16 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
     def wrap(policy: Policy, qualname: str, message: str | None):
         return lambda original: make_wrapper(policy, original, state, qualname, message)
 
+    # A user registration decides alone for the attribute it names: a list
+    # wrapper around it would cast first (a half round trip under an fp32
+    # registration), so that spelling is left to the registration.
+    registered = {(id(entry.target), entry.name) for entry in REGISTRY.entries}
     for spelling in spellings():
-        patcher.patch(spelling.target, spelling.name,
-                      wrap(spelling.policy, spelling.qualname, spelling.message))
+        if (id(spelling.target), spelling.name) not in registered:
+            patcher.patch(spelling.target, spelling.name,
+                          wrap(spelling.policy, spelling.qualname, spelling.message))
     rnn.allow_half_inputs(patcher, state)
-    for entry in list(REGISTRY.entries):
+    for entry in REGISTRY.consume():
         owner = getattr(entry.target, "__name__", type(entry.target).__name__)
         if not patcher.patch(entry.target, entry.name, wrap(entry.policy, f"{owner}.{entry.name}", None)):
             logger.warning("amp_patch: registered %s.%s no longer exists; not patched", owner, entry.name)

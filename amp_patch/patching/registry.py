@@ -1,4 +1,4 @@
-"""User functions under O1: decorators and registrations for the next ``initialize``."""
+"""User functions under O1: decorators and registrations for the next O1 ``initialize``."""
 
 from __future__ import annotations
 
@@ -24,10 +24,15 @@ class Registration(NamedTuple):
 
 
 class Registry:
-    """The registered user functions, kept across sessions as Apex kept them.
+    """The registered user functions, waiting for the next O1 ``initialize``.
 
-    Every :func:`amp_patch.initialize` with O1 patches all of them; they stay
-    registered for later sessions until :meth:`clear`.
+    As with Apex's ``amp.init()``, the O1 :func:`amp_patch.initialize` (or
+    legacy :func:`amp_patch.init`) that patches the registrations also
+    forgets them (:meth:`consume`): a later session patches them only if they
+    are registered again. An ``initialize`` at another level leaves them
+    waiting. On an attribute that an O1 list also names (``torch.mm``), the
+    registration's policy is the only one applied; the other spellings of
+    that op (``torch.Tensor.mm``) keep the list's.
     """
 
     def __init__(self) -> None:
@@ -43,6 +48,11 @@ class Registry:
             owner = getattr(target, "__name__", type(target).__name__)
             raise ValueError(f"{owner} has no attribute {name!r} to register for O1 casting")
         self.entries.append(Registration(target, name, policy))
+
+    def consume(self) -> list[Registration]:
+        """Return the registrations and forget them (what an O1 install does)."""
+        entries, self.entries = self.entries, []
+        return entries
 
     def clear(self) -> None:
         """Forget every registration (the running session keeps its patches)."""
@@ -130,6 +140,10 @@ Example::
 def register_half_function(module: Any, name: str) -> None:
     """Register ``module.<name>`` to be patched with the half policy by the next :func:`~amp_patch.initialize`.
 
+    The next O1 :func:`~amp_patch.initialize` patches it and forgets the
+    registration; on a name an O1 list also patches, it replaces the list's
+    policy for that attribute (see :class:`Registry`).
+
     Args:
         module (module or class): where the function lives.
         name (str): its attribute name.
@@ -148,6 +162,10 @@ def register_half_function(module: Any, name: str) -> None:
 def register_float_function(module: Any, name: str) -> None:
     """Register ``module.<name>`` to be patched with the fp32 policy by the next :func:`~amp_patch.initialize`.
 
+    The next O1 :func:`~amp_patch.initialize` patches it and forgets the
+    registration; on a name an O1 list also patches, it replaces the list's
+    policy for that attribute (see :class:`Registry`).
+
     Args:
         module (module or class): where the function lives.
         name (str): its attribute name.
@@ -164,6 +182,10 @@ def register_float_function(module: Any, name: str) -> None:
 
 def register_promote_function(module: Any, name: str) -> None:
     """Register ``module.<name>`` to be patched with the promote policy by the next :func:`~amp_patch.initialize`.
+
+    The next O1 :func:`~amp_patch.initialize` patches it and forgets the
+    registration; on a name an O1 list also patches, it replaces the list's
+    policy for that attribute (see :class:`Registry`).
 
     Args:
         module (module or class): where the function lives.

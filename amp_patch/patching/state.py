@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
@@ -28,8 +29,10 @@ class CastState:
             iteration through :attr:`cache`. Default: True.
 
     Attributes:
-        enabled (bool): False while inside :func:`disable_casts`; the wrappers
-            then call the original function untouched.
+        enabled (bool): False while any :func:`disable_casts` block is open,
+            in any thread; the wrappers then call the original function
+            untouched. A plain attribute, because the C wrappers read it on
+            every call; only :meth:`paused` writes it.
         cache (WeightCastCache): the weight-cast cache; ``cache.clear()`` ends
             an iteration (``scale_loss`` calls it on exit).
         patches (Patcher or None): the installed O1 patches (set by
@@ -43,12 +46,35 @@ class CastState:
         self.half_dtype = half_dtype
         self.allow_banned = allow_banned
         self.enabled = True
+        # Open disable_casts blocks: a count, not a saved flag, so that blocks
+        # ending out of order in different threads still turn casting back on.
+        self._paused = 0
+        self._pause_lock = threading.Lock()
         self.cache = WeightCastCache(enabled=enable_caching)
         self.patches = None
 
     def __repr__(self) -> str:
         return (f"CastState(half_dtype={self.half_dtype}, enabled={self.enabled}, "
                 f"allow_banned={self.allow_banned}, cached={len(self.cache)})")
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Turn casting off for the block; it is back on when the last open block ends.
+
+        Example::
+
+            >>> with state.paused():
+            ...     assert not state.enabled
+        """
+        with self._pause_lock:
+            self._paused += 1
+            self.enabled = False
+        try:
+            yield
+        finally:
+            with self._pause_lock:
+                self._paused -= 1
+                self.enabled = self._paused == 0
 
 
 def active() -> CastState | None:
@@ -61,9 +87,9 @@ def active() -> CastState | None:
 def disable_casts() -> Iterator[None]:
     """Run the enclosed code with the O1 casting wrappers passing calls straight through.
 
-    The previous state is restored on exit, also when an exception escapes,
-    so the contexts nest. Outside O1 (no live session, or a level that does
-    not patch torch) it does nothing.
+    Casting is back on when the last open block ends, also when an exception
+    escapes, so the blocks nest, in one thread or across threads. Outside O1
+    (no live session, or a level that does not patch torch) it does nothing.
 
     .. note::
         The flag belongs to the session, not to a thread: code running in
@@ -79,8 +105,5 @@ def disable_casts() -> Iterator[None]:
     if state is None:
         yield
         return
-    previous, state.enabled = state.enabled, False
-    try:
+    with state.paused():
         yield
-    finally:
-        state.enabled = previous
