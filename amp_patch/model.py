@@ -83,11 +83,14 @@ def prepare(session: AmpSession) -> None:
     # Registered before anything changes, so that a failure half-way is undone too.
     session.on_close("model casts", None, abort=uncast)
     session.on_close("model hooks", remove_hooks)
+    sharding = session.sharding
+    # Sharded params whose dtype FSDP's policy gives them (O2) keep theirs: they are the masters.
+    leave = sharding.policy_cast if sharding is not None else frozenset()
     for model in session.models:
         if props.casts_model:
             model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
             keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
-            _cast_module(model, model_dtype, keep_bn, originals)
+            _cast_module(model, model_dtype, keep_bn, originals, leave)
             if model_dtype in _HALF_DTYPES:
                 handles += _register_fp32_state_dict(model, session)
 
@@ -100,6 +103,8 @@ def prepare(session: AmpSession) -> None:
             return cast_floating(output, _dtype)
 
         handles.append(model.register_forward_hook(cast_outputs))
+    if sharding is not None and originals:
+        sharding.refresh()  # FSDP takes the cast shards as its own
 
 
 def named_parameters(models: list[nn.Module]):

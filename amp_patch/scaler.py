@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
+from amp_patch.distributed.fsdp import local_tensor
 from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
 
 __all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype"]
@@ -44,6 +45,8 @@ def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[
     Each fused op call takes tensors of one device; grouping by dtype too lets
     a kernel pick one specialisation per call. The lists are kept parallel:
     element ``i`` of every list lands in the same group, in the original order.
+    A DTensor (FSDP2's sharded params and grads) lands as its local shard
+    (:func:`amp_patch.distributed.fsdp.local_tensor`): each rank works on its own.
 
     Args:
         *lists (sequence of Tensor): lists of equal length; the first decides the groups.
@@ -69,7 +72,7 @@ def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[
         if bucket is None:
             bucket = groups[key] = tuple([] for _ in lists)
         for out, lst in zip(bucket, lists):
-            out.append(lst[i])
+            out.append(local_tensor(lst[i]))
     return groups
 
 
