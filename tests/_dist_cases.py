@@ -371,6 +371,30 @@ def _syncs(ctx: Ctx) -> None:
         amp.deinitialize()
 
 
+# --------------------------------------------------------------------------- clipping
+
+
+@case("clip_matches_unsharded_norm")
+def _clip(ctx: Ctx) -> None:
+    model = shard(mlp())
+    opt = sgd(model)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    for max_norm in (0.05, 1e3):  # clipped, and left alone
+        x, y = local_batch(ctx, 0)
+        loss = F.cross_entropy(model(x).float(), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        grads = [full(p.grad).clone() for p in amp.master_params(opt)]
+        expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+        total = amp.clip_grad_norm_(opt, max_norm)
+        close(total, expected, 1e-6, 0.0, "total norm")
+        coef = min(1.0, max_norm / (expected.item() + 1e-6))
+        for i, (p, g) in enumerate(zip(amp.master_params(opt), grads)):
+            close(full(p.grad), g * coef, 1e-6, 1e-9, f"clipped grad {i}")
+        opt.zero_grad()
+    amp.deinitialize()
+
+
 # --------------------------------------------------------------------------- memory
 
 
@@ -420,9 +444,10 @@ GROUPS = {
                "deinitialize_restores_policy", "initialize_after_a_forward",
                "reduce_dtype_override", "orders",
                "failed_initialize_puts_shards_back",
-               "overflow_skips_everywhere", "one_host_sync", "o2_memory_is_sharded"], None),
+               "overflow_skips_everywhere", "one_host_sync", "clip_matches_unsharded_norm",
+               "o2_memory_is_sharded"], None),
     "w4": (4, [*(f"match:{lv}" for lv in LEVELS), "overflow_skips_everywhere",
-               "o2_memory_is_sharded"], "w2"),
+               "clip_matches_unsharded_norm", "o2_memory_is_sharded"], "w2"),
 }
 #: Seconds one group may take (4 ranks on 2 busy cores are slow to start).
 GROUP_TIMEOUT = 900
