@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import amp_patch as amp  # noqa: E402
 from amp_patch.distributed.fsdp import local_tensor  # noqa: E402
 import training_utils  # noqa: E402
-from training_utils import count_host_syncs  # noqa: E402
+from training_utils import conv_batch, convnet, count_host_syncs  # noqa: E402
 
 CASES: dict[str, Callable[["Ctx", str], None]] = {}
 LEVELS = ("O0", "O1", "O2", "O3")
@@ -434,6 +434,43 @@ def _memory(ctx: Ctx) -> None:
     assert sizes[True] == 16 * n // ctx.world, sizes
 
 
+# --------------------------------------------------------------------------- SyncBatchNorm
+
+
+@case("syncbn_ddp_o2")
+def _syncbn(ctx: Ctx) -> None:
+    from amp_patch.apex_compat.parallel import SyncBatchNorm, convert_syncbn_model
+
+    def batch(step):
+        x, y = conv_batch(step, batch=8)
+        return x.chunk(ctx.world)[ctx.rank], y.chunk(ctx.world)[ctx.rank]
+
+    ref = convnet()
+    ref_opt = sgd(ref)
+    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", verbosity=0)
+    ref_losses = train(ref, ref_opt, 3, lambda s: conv_batch(s, batch=8), sharded=False)
+    ref_state = {k: v.clone() for k, v in ref.state_dict().items()}
+    amp.deinitialize()
+
+    model = convert_syncbn_model(convnet())
+    assert isinstance(model[1], SyncBatchNorm)
+    opt = sgd(model)
+    model, opt = amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp32=True, verbosity=0)
+    assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    ddp = nn.parallel.DistributedDataParallel(model)
+    losses = train(ddp, opt, 3, batch)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    del ddp
+    amp.deinitialize()
+    rtol, atol = TOLERANCE["O2"]
+    close(losses, ref_losses, rtol, atol, "SyncBatchNorm losses")
+    for k, v in ref_state.items():  # running statistics of the global batch included
+        close(state[k], v, rtol, atol, k)
+    gathered = [None] * ctx.world
+    dist.all_gather_object(gathered, state)
+    assert all(torch.equal(g[k], state[k]) for g in gathered for k in state), "ranks differ"
+
+
 # --------------------------------------------------------------------------- groups
 
 
@@ -445,7 +482,7 @@ GROUPS = {
                "reduce_dtype_override", "orders",
                "failed_initialize_puts_shards_back",
                "overflow_skips_everywhere", "one_host_sync", "clip_matches_unsharded_norm",
-               "o2_memory_is_sharded"], None),
+               "o2_memory_is_sharded", "syncbn_ddp_o2"], None),
     "w4": (4, [*(f"match:{lv}" for lv in LEVELS), "overflow_skips_everywhere",
                "clip_matches_unsharded_norm", "o2_memory_is_sharded"], "w2"),
 }

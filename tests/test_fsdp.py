@@ -66,6 +66,12 @@ def test_o2_memory_is_one_nth(group, tmp_path_factory):
     _check(group, "o2_memory_is_sharded", tmp_path_factory)
 
 
+@pytest.mark.slow
+def test_syncbn_under_ddp_at_o2(tmp_path_factory):
+    """apex.parallel.convert_syncbn_model under DDP at O2 with keep_batchnorm_fp32, on gloo."""
+    _check("w2", "syncbn_ddp_o2", tmp_path_factory)
+
+
 # --------------------------------------------------------------------------- clip_grad_norm_
 
 
