@@ -54,11 +54,13 @@ class Ctx:
 # --------------------------------------------------------------------------- models and data
 
 
-def mlp(seed: int = 0) -> nn.Module:
+def mlp(seed: int = 0, dropout: float = 0.0) -> nn.Module:
     """Widths divisible by 4, so that 2 and 4 ranks shard every parameter evenly."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-                         nn.Linear(32, 4))
+    layers: list[nn.Module] = [nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers, nn.Linear(32, 4))
 
 
 def shard(model: nn.Module) -> nn.Module:
@@ -471,6 +473,93 @@ def _syncbn(ctx: Ctx) -> None:
     assert all(torch.equal(g[k], state[k]) for g in gathered for k in state), "ranks differ"
 
 
+# --------------------------------------------------------------------------- DCP checkpoints
+
+
+def _dcp_model(ctx: Ctx, kind: str, seed: int):
+    """A model and Adam for the checkpoint cases: FSDP2 at O2, or DDP at O2 (masters)."""
+    model = mlp(seed, dropout=0.1)
+    if kind == "fsdp":
+        shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    wrapped = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model
+    return model, wrapped, opt
+
+
+def _dcp_resume(ctx: Ctx, kind: str) -> None:
+    path = ctx.out / f"dcp-{kind}-w{ctx.world}"
+    batch = lambda s: local_batch(ctx, s)  # noqa: E731
+
+    def snapshot(model, opt):
+        return local_snapshot(model, opt) + [torch.rand(3)] + [
+            torch.tensor(amp.state_dict()["loss_scaler0"]["loss_scale"])]
+
+    model, wrapped, opt = _dcp_model(ctx, kind, seed=0)
+    train(wrapped, opt, 2, batch)
+    amp.save_checkpoint(path, wrapped, opt, extra={"meta": {"step": 2}})
+    train(wrapped, opt, 2, batch, start=2)
+    expected = snapshot(model, opt)
+    del wrapped
+    amp.deinitialize()
+
+    torch.manual_seed(123)  # another RNG state and other weights: the checkpoint must set both
+    model, wrapped, opt = _dcp_model(ctx, kind, seed=1)
+    extra = {"meta": {"step": 0}}
+    amp.load_checkpoint(path, wrapped, opt, extra=extra)
+    assert extra["meta"]["step"] == 2, extra
+    train(wrapped, opt, 2, batch, start=2)
+    assert_equal(snapshot(model, opt), expected, f"{kind}: the resumed run differs")
+    del wrapped
+    amp.deinitialize()
+
+
+case("dcp_resume:fsdp")(lambda ctx: _dcp_resume(ctx, "fsdp"))
+case("dcp_resume:ddp")(lambda ctx: _dcp_resume(ctx, "ddp"))
+
+#: Steps before the checkpoint, and after it, of the resharding cases.
+RESHARD_BEFORE, RESHARD_AFTER = 2, 3
+
+
+def _reshard_model(level: str, seed: int):
+    model = shard(mlp(seed))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=level, loss_scale="dynamic", verbosity=0)
+    return model, opt
+
+
+def _reshard_save(ctx: Ctx, level: str) -> None:
+    """Train, checkpoint, go on; the losses after the checkpoint go to a file."""
+    model, opt = _reshard_model(level, seed=0)
+    batch = lambda s: local_batch(ctx, s)  # noqa: E731
+    train(model, opt, RESHARD_BEFORE, batch)
+    amp.save_checkpoint(ctx.out / f"reshard-{level}-w{ctx.world}", model, opt)
+    losses = train(model, opt, RESHARD_AFTER, batch, start=RESHARD_BEFORE)
+    amp.deinitialize()
+    if ctx.rank == 0:
+        (ctx.out / f"reshard-{level}-w{ctx.world}.json").write_text(json.dumps(losses))
+
+
+def _reshard_load(ctx: Ctx, level: str, saved_world: int) -> None:
+    """Resume another world size's checkpoint: the same losses as the run that saved it."""
+    name = f"reshard-{level}-w{saved_world}"
+    model, opt = _reshard_model(level, seed=1)
+    amp.load_checkpoint(ctx.out / name, model, opt)
+    losses = train(model, opt, RESHARD_AFTER, lambda s: local_batch(ctx, s), start=RESHARD_BEFORE)
+    amp.deinitialize()
+    expected = json.loads((ctx.out / f"{name}.json").read_text())
+    rtol, atol = TOLERANCE[level]
+    close(losses, expected, rtol, atol, f"{level}: losses after resuming {saved_world} -> "
+                                        f"{ctx.world} ranks")
+
+
+for _level in ("O0", "O2"):
+    case(f"reshard_save:{_level}")(lambda ctx, _l=_level: _reshard_save(ctx, _l))
+    for _saved in (2, 4):
+        case(f"reshard_load:{_level}:{_saved}")(
+            lambda ctx, _l=_level, _s=_saved: _reshard_load(ctx, _l, _s))
+
+
 # --------------------------------------------------------------------------- groups
 
 
@@ -482,9 +571,13 @@ GROUPS = {
                "reduce_dtype_override", "orders",
                "failed_initialize_puts_shards_back",
                "overflow_skips_everywhere", "one_host_sync", "clip_matches_unsharded_norm",
-               "o2_memory_is_sharded", "syncbn_ddp_o2"], None),
+               "o2_memory_is_sharded", "syncbn_ddp_o2", "dcp_resume:fsdp", "dcp_resume:ddp",
+               "reshard_save:O0", "reshard_save:O2"], None),
     "w4": (4, [*(f"match:{lv}" for lv in LEVELS), "overflow_skips_everywhere",
-               "clip_matches_unsharded_norm", "o2_memory_is_sharded"], "w2"),
+               "clip_matches_unsharded_norm", "o2_memory_is_sharded", "dcp_resume:fsdp",
+               "reshard_load:O0:2", "reshard_load:O2:2", "reshard_save:O0", "reshard_save:O2"],
+           "w2"),
+    "w2-after-w4": (2, ["reshard_load:O0:4", "reshard_load:O2:4"], "w4"),
 }
 #: Seconds one group may take (4 ranks on 2 busy cores are slow to start).
 GROUP_TIMEOUT = 900
