@@ -180,6 +180,36 @@ for _level in LEVELS:
     case(f"match:{_level}")(lambda ctx, _l=_level: _match(ctx, _l))
 
 
+def _match_ddp(ctx: Ctx, level: str) -> None:
+    """DDP against one process on the global batch (the weights all-reduced, not sharded)."""
+    steps = 3
+    reference = _reference(level, steps)
+    model = mlp()
+    opt = sgd(model)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    losses = train(ddp, opt, steps, lambda s: local_batch(ctx, s))
+    params = [p.detach().clone() for p in amp.master_params(opt)]
+    del ddp
+    amp.deinitialize()
+    _compare("DDP", level, losses, params, reference)
+
+
+for _level in ("O1", "O2"):
+    case(f"ddp_match:{_level}")(lambda ctx, _l=_level: _match_ddp(ctx, _l))
+
+
+@case("two_nodes_of_two")
+def _topology(ctx: Ctx) -> None:
+    """torchrun's two agents made one group of 4: two nodes, two local ranks on each."""
+    mine = (int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"]),
+            int(os.environ["LOCAL_WORLD_SIZE"]))
+    everyone = [None] * ctx.world
+    dist.all_gather_object(everyone, mine)
+    assert ctx.world == 4 and sorted(everyone) == [(n, r, 2) for n in (0, 1) for r in (0, 1)], \
+        everyone
+
+
 @case("o1_patched_inside_fsdp")
 def _o1_inside(ctx: Ctx) -> None:
     model = shard(mlp())
@@ -579,6 +609,8 @@ GROUPS = {
            "w2"),
     "w2-after-w4": (2, ["reshard_load:O0:4", "reshard_load:O2:4"], "w4"),
 }
+#: What the two-node test trains: FSDP2 and DDP at O1 and O2.
+MULTINODE = ["two_nodes_of_two", "match:O1", "match:O2", "ddp_match:O1", "ddp_match:O2"]
 #: Seconds one group may take (4 ranks on 2 busy cores are slow to start).
 GROUP_TIMEOUT = 900
 
