@@ -8,6 +8,10 @@ case's outcome. The clipping tests at the end run in this process.
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +146,22 @@ def test_clip_input_errors():
         amp.clip_grad_norm_([p, "w"], 1.0)
     torch.testing.assert_close(amp.clip_grad_norm_(p, 1.0), torch.tensor(math.sqrt(3.0)))
 
+
+@pytest.mark.slow
+def test_fsdp_example_saves_and_resumes_on_another_world_size(tmp_path):
+    example = Path(__file__).resolve().parent.parent / "examples" / "fsdp_torchrun.py"
+
+    def torchrun(nproc: int, *args: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}", str(example), *args],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+            env=_dist_cases.worker_env())
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    out = torchrun(2, "--steps", "3", "--save", "ckpt")
+    assert "O2: 2 process(es); rank 0 holds 64 of 128 rows" in out and "torch.float32" in out
+    out = torchrun(1, "--steps", "2", "--resume", "ckpt", "--save", "ckpt2")
+    assert re.search(r"step +4 loss", out), out  # went on from the saved step
+    assert "O2: 1 process(es); rank 0 holds 128 of 128 rows" in out
