@@ -54,7 +54,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from amp_patch.session import AmpSession
 
-__all__ = ["ShardingPlan", "prepare", "local_tensor", "is_sharded", "fsdp_states",
+__all__ = ["ShardingPlan", "prepare", "local_tensor", "local_tensors", "is_sharded", "fsdp_states",
            "install_order_guard", "SUPPORTED_ORDER"]
 
 logger = logging.getLogger("amp_patch")
@@ -62,6 +62,9 @@ logger = logging.getLogger("amp_patch")
 #: The order of calls amp supports with FSDP2, for error messages.
 SUPPORTED_ORDER = ("fully_shard(model) first, then the optimizer over model.parameters(), then "
                    "amp_patch.initialize(model, optimizer, ...)")
+
+_PLAIN = (Tensor, nn.Parameter)
+
 
 def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a DTensor (FSDP2's parameters and grads); any other tensor itself.
@@ -81,11 +84,26 @@ def local_tensor(t: Tensor) -> Tensor:
         >>> local_tensor(sharded_param.grad).shape  # this rank's rows
         torch.Size([8, 16])
     """
-    # No DTensor exists until its module is imported, and importing it costs most of a second.
+    return local_tensors([t])[0]
+
+
+def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
+    """:func:`local_tensor` of each; ``tensors`` itself while no DTensor can exist.
+
+    Args:
+        tensors (list of Tensor): any tensors.
+
+    Returns:
+        list of Tensor: the local shards of the DTensors among them, the others as they are.
+    """
+    # No DTensor exists until its module is imported (which costs most of a second), and
+    # the fused ops' callers pass every grad of every iteration through here.
     module = sys.modules.get("torch.distributed.tensor")
-    if module is not None and isinstance(t, module.DTensor):
-        return t._local_tensor
-    return t
+    if module is None:
+        return tensors
+    dtensor = module.DTensor
+    return [t._local_tensor if type(t) not in _PLAIN and isinstance(t, dtensor) else t
+            for t in tensors]
 
 
 def is_sharded(model: nn.Module) -> bool:
