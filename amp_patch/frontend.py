@@ -49,7 +49,10 @@ def initialize(
 
     Args:
         models (torch.nn.Module or list of torch.nn.Module): the models. Wrap
-            them in DataParallel or DistributedDataParallel *after* this call.
+            them in DataParallel or DistributedDataParallel *after* this call;
+            shard them with FSDP2's ``fully_shard`` *before* it, and build the
+            optimizer over the sharded parameters in between (see
+            :mod:`amp_patch.distributed.fsdp`).
         optimizers (torch.optim.Optimizer or list, optional): the optimizers,
             built over the models' parameters; Apex's LARC around one is
             accepted too. Default: None.
@@ -88,8 +91,11 @@ def initialize(
     Raises:
         ValueError: an unknown opt level, a disallowed override, the same
             optimizer twice, parameters on more than one device type, or (at
-            O2/O3) optimizer parameters that belong to none of the models (at
-            O0/O1 those are a warning) or float64 parameters.
+            O2/O3, or with models sharded by ``fully_shard``) optimizer
+            parameters that belong to none of the models (at O0/O1 those are
+            a warning otherwise) or float64 parameters; for FSDP2 models, a
+            ``MixedPrecisionPolicy`` that contradicts the level, or
+            ``keep_batchnorm_fp32`` with a batch norm in a mixed FSDP group.
         TypeError: a model or optimizer of the wrong type (a tuple where a
             list is expected, a wrapped model).
         RuntimeError: a session is already live; call :func:`deinitialize` first.
