@@ -15,6 +15,8 @@ Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
 from amp_patch import cpu_half, ops
 from amp_patch.cpu_half import cpu_half_support
 from amp_patch.apex_compat.multi_tensor_apply import multi_tensor_applier
+from amp_patch.distributed.checkpoint import load_checkpoint, save_checkpoint
+from amp_patch.distributed.clip import clip_grad_norm_
 from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
 from amp_patch.handle import scale_loss
 from amp_patch.legacy import init
@@ -40,9 +42,12 @@ __all__ = [
     # checkpoints
     "state_dict",
     "load_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
     # training loop
     "scale_loss",
     "master_params",
+    "clip_grad_norm_",
     # O1 casting
     "disable_casts",
     "half_function",

@@ -49,7 +49,10 @@ def initialize(
 
     Args:
         models (torch.nn.Module or list of torch.nn.Module): the models. Wrap
-            them in DataParallel or DistributedDataParallel *after* this call.
+            them in DataParallel or DistributedDataParallel *after* this call;
+            shard them with FSDP2's ``fully_shard`` *before* it, and build the
+            optimizer over the sharded parameters in between (see
+            :mod:`amp_patch.distributed.fsdp`).
         optimizers (torch.optim.Optimizer or list, optional): the optimizers,
             built over the models' parameters; Apex's LARC around one is
             accepted too. Default: None.
@@ -88,8 +91,11 @@ def initialize(
     Raises:
         ValueError: an unknown opt level, a disallowed override, the same
             optimizer twice, parameters on more than one device type, or (at
-            O2/O3) optimizer parameters that belong to none of the models (at
-            O0/O1 those are a warning) or float64 parameters.
+            O2/O3, or with models sharded by ``fully_shard``) optimizer
+            parameters that belong to none of the models (at O0/O1 those are
+            a warning otherwise) or float64 parameters; for FSDP2 models, a
+            ``MixedPrecisionPolicy`` that contradicts the level, or
+            ``keep_batchnorm_fp32`` with a batch norm in a mixed FSDP group.
         TypeError: a model or optimizer of the wrong type (a tuple where a
             list is expected, a wrapped model).
         RuntimeError: a session is already live; call :func:`deinitialize` first.
@@ -155,11 +161,13 @@ def initialize(
 def _build(session: _session.AmpSession) -> None:
     # Imported here: these modules import torch-heavy pieces that need ops registered first.
     from amp_patch import cpu_half as _cpu_half, model as _model, optim as _optim
+    from amp_patch.distributed import fsdp as _fsdp
     from amp_patch.patching import install as _install_patches
     from amp_patch.patching.state import disable_casts
     from amp_patch.scaler import LossScaler
 
     props = session.props
+    session.sharding = _fsdp.prepare(session)  # before the cast: it says what FSDP casts itself
     _model.prepare(session)
     # Before O1's patches, so that O1's wrappers call the emulating ones they find.
     _cpu_half.install(session)
@@ -170,6 +178,8 @@ def _build(session: _session.AmpSession) -> None:
             optimizer, bool(props.master_weights), session.on_close, disable_casts)
     session.scalers = [LossScaler.from_properties(props, loss_id=i)
                        for i in range(props.num_losses)]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        _fsdp.install_order_guard(session)
 
 
 def deinitialize() -> None:
@@ -310,6 +320,13 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
                for pi, p in enumerate(group["params"]) if id(p) not in owned]
     if not foreign:
         return
+    from amp_patch.distributed.fsdp import SUPPORTED_ORDER, fsdp_states
+
+    if fsdp_states(models):
+        raise ValueError(
+            f"{len(foreign)} parameters of the optimizers belong to none of the models passed to "
+            f"amp_patch.initialize(), which are sharded with fully_shard: an optimizer built "
+            f"before fully_shard holds the unsharded parameters. Call {SUPPORTED_ORDER}.")
     n = len(foreign)
     shown = ", ".join(foreign[:5]) + (f", and {n - 5} more" if n > 5 else "")
     what = (f"{n} parameter{'s' if n > 1 else ''} of the optimizers belong{'s' if n == 1 else ''} "

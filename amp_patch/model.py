@@ -27,10 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from amp_patch.session import AmpSession
 
-__all__ = ["prepare", "cast_floating", "named_parameters", "CASTABLE_DTYPES"]
+__all__ = ["prepare", "cast_floating", "named_parameters", "kept_fp32", "CASTABLE_DTYPES"]
 
 #: The floating dtypes amp converts; float64 is left as the caller made it.
 CASTABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -68,7 +69,7 @@ def prepare(session: AmpSession) -> None:
     if not props.casts_model and output_dtype is None:
         return
     handles: list = []
-    originals: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    originals: list[_Original] = []
 
     def remove_hooks() -> None:
         for handle in handles:
@@ -76,19 +77,20 @@ def prepare(session: AmpSession) -> None:
 
     def uncast() -> None:
         # The very tensors from before the cast: a cast back would round fp32 values to half.
-        for t, data, grad in reversed(originals):
-            t.data = data
-            if isinstance(t, nn.Parameter):
-                t.grad = grad
+        for original in reversed(originals):
+            original.put_back()
 
     # Registered before anything changes, so that a failure half-way is undone too.
     session.on_close("model casts", None, abort=uncast)
     session.on_close("model hooks", remove_hooks)
+    sharding = session.sharding
+    # Sharded params whose dtype FSDP's policy gives them (O2) keep theirs: they are the masters.
+    leave = sharding.policy_cast if sharding is not None else frozenset()
     for model in session.models:
         if props.casts_model:
             model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
             keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
-            _cast_module(model, model_dtype, keep_bn, originals)
+            _cast_module(model, model_dtype, keep_bn, originals, leave)
             if model_dtype in _HALF_DTYPES:
                 handles += _register_fp32_state_dict(model, session)
 
@@ -101,6 +103,8 @@ def prepare(session: AmpSession) -> None:
             return cast_floating(output, _dtype)
 
         handles.append(model.register_forward_hook(cast_outputs))
+    if sharding is not None and originals:
+        sharding.refresh()  # FSDP takes the cast shards as its own
 
 
 def named_parameters(models: list[nn.Module]):
@@ -127,22 +131,76 @@ def named_parameters(models: list[nn.Module]):
                 yield prefix + name, param
 
 
+def kept_fp32(module: nn.Module, keep_batchnorm_fp32: bool) -> bool:
+    """Whether ``keep_batchnorm_fp32`` keeps ``module``'s own params and buffers as they are.
+
+    Args:
+        module (torch.nn.Module): one module (its own tensors, not its children's).
+        keep_batchnorm_fp32 (bool): the session's setting, for a half model type.
+
+    Example::
+
+        >>> kept_fp32(nn.BatchNorm2d(4), True), kept_fp32(nn.BatchNorm2d(4, affine=False), True)
+        (True, False)
+    """
+    # SyncBatchNorm is a _BatchNorm too.
+    return keep_batchnorm_fp32 and isinstance(module, _BatchNorm) and module.affine
+
+
 def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
-                 originals: list) -> None:
-    """Cast through ``.data``; each tensor's uncast data and grad go to ``originals`` first."""
+                 originals: list, leave: frozenset[int] = frozenset()) -> None:
+    """Cast through ``.data``; each tensor's uncast data and grad go to ``originals`` first.
+    Params whose ``id()`` is in ``leave`` keep their dtype."""
     for module in model.modules():
-        if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) and module.affine:
-            continue  # SyncBatchNorm is a _BatchNorm too
-        for param in module.parameters(recurse=False):
-            if param.dtype in CASTABLE_DTYPES and param.dtype != dtype:
-                originals.append((param, param.data, param.grad))
-                param.data = param.data.to(dtype)
-                if param.grad is not None:
-                    param.grad = param.grad.to(dtype)
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and buf.dtype in CASTABLE_DTYPES and buf.dtype != dtype:
-                originals.append((buf, buf.data, None))
-                buf.data = buf.data.to(dtype)
+        if kept_fp32(module, keep_batchnorm_fp32):
+            continue
+        tensors = [p for p in module.parameters(recurse=False) if id(p) not in leave]
+        tensors += [b for b in module.buffers(recurse=False) if b is not None]
+        for t in tensors:
+            if t.dtype in CASTABLE_DTYPES and t.dtype != dtype:
+                originals.append(_Original.cast(t, dtype))
+
+
+class _Original:
+    """A tensor cast in place, and what it held before, to put back exactly.
+
+    A plain tensor is cast through ``.data``. A tensor subclass that wraps
+    another (FSDP2's DTensor parameters) keeps its inner tensor in a Python
+    attribute that ``.data`` does not reach, so it swaps contents with a cast
+    copy (:func:`torch.utils.swap_tensors`, as ``nn.Module._apply`` does for
+    them); either way the object stays the same.
+    """
+
+    __slots__ = ("tensor", "data", "grad", "swapped")
+
+    def __init__(self, tensor: torch.Tensor, data: torch.Tensor, grad: torch.Tensor | None,
+                 swapped: bool) -> None:
+        self.tensor, self.data, self.grad, self.swapped = tensor, data, grad, swapped
+
+    @classmethod
+    def cast(cls, t: torch.Tensor, dtype: torch.dtype) -> "_Original":
+        grad = t.grad if isinstance(t, nn.Parameter) else None
+        if not is_traceable_wrapper_subclass(t):
+            original = cls(t, t.data, grad, False)
+            t.data = t.data.to(dtype)
+        else:
+            holder = t.detach().to(dtype)
+            if isinstance(t, nn.Parameter):
+                holder = nn.Parameter(holder, requires_grad=t.requires_grad)
+            torch.utils.swap_tensors(t, holder)  # holder now holds the uncast contents
+            original = cls(t, holder, grad, True)
+        if grad is not None:
+            t.grad = grad.to(dtype)
+        return original
+
+    def put_back(self) -> None:
+        t = self.tensor
+        if self.swapped:
+            torch.utils.swap_tensors(t, self.data)
+        else:
+            t.data = self.data
+        if isinstance(t, nn.Parameter):
+            t.grad = self.grad
 
 
 def _register_fp32_state_dict(model: nn.Module, session: AmpSession) -> list:

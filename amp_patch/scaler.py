@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
+from amp_patch.distributed.fsdp import local_tensors
 from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
 
 __all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype"]
@@ -44,6 +45,8 @@ def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[
     Each fused op call takes tensors of one device; grouping by dtype too lets
     a kernel pick one specialisation per call. The lists are kept parallel:
     element ``i`` of every list lands in the same group, in the original order.
+    A DTensor (FSDP2's sharded params and grads) lands as its local shard
+    (:func:`amp_patch.distributed.fsdp.local_tensors`): each rank works on its own.
 
     Args:
         *lists (sequence of Tensor): lists of equal length; the first decides the groups.
@@ -59,6 +62,7 @@ def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[
     """
     if not lists:
         return {}
+    lists = tuple(local_tensors(list(lst)) for lst in lists)
     n = len(lists[0])
     if any(len(lst) != n for lst in lists):
         raise ValueError("group_by_device_and_dtype: the lists must have equal lengths")

@@ -21,6 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from amp_patch.cpu_half import CpuHalfPlan
+    from amp_patch.distributed.fsdp import ShardingPlan
     from amp_patch.optim import OptimizerRecord
     from amp_patch.patching.state import CastState
     from amp_patch.properties import Properties
@@ -55,6 +56,8 @@ class AmpSession:
         serial (int): this session's number in the process, for messages.
         cpu_half (CpuHalfPlan or None): how half matmuls run on the CPU
             (:mod:`amp_patch.cpu_half`); None when nothing computes in half there.
+        sharding (ShardingPlan or None): what amp changed in the FSDP2 states of
+            the models (:mod:`amp_patch.distributed.fsdp`); None when none is sharded.
     """
 
     def __init__(self, props: "Properties", models: list[torch.nn.Module],
@@ -68,6 +71,7 @@ class AmpSession:
         self.scale_loss_open = False
         self.serial = next(_serials)
         self.cpu_half: CpuHalfPlan | None = None
+        self.sharding: ShardingPlan | None = None
         # (what, undo, abort-only undo or None): see on_close.
         self._undo: list[tuple[str, Callable[[], None] | None, Callable[[], None] | None]] = []
         self.closed = False

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from training_utils import free_port
 
 TESTS = Path(__file__).resolve().parent
 STEPS, BAD = 6, 2
@@ -45,12 +46,6 @@ del ddp  # its reducer holds the process group
 dist.barrier()  # no rank tears gloo down while another is still in destroy_process_group
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

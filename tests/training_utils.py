@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from typing import Callable
 
 import torch
@@ -66,8 +67,10 @@ def assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 def train(model: nn.Module, optimizer, steps: int, batch_fn: Callable = mlp_batch,
-          start: int = 0, skip_steps: frozenset = frozenset(), on_backward=None) -> list[float]:
-    """The plain amp loop; returns the losses. ``skip_steps`` batches are left out entirely."""
+          start: int = 0, skip_steps: frozenset = frozenset(), on_backward=None,
+          record: Callable[[torch.Tensor], float] = torch.Tensor.item) -> list[float]:
+    """The plain amp loop; returns the losses, each as ``record`` makes a number of it.
+    ``skip_steps`` batches are left out entirely."""
     losses = []
     for step in range(start, start + steps):
         if step in skip_steps:
@@ -80,7 +83,7 @@ def train(model: nn.Module, optimizer, steps: int, batch_fn: Callable = mlp_batc
                 on_backward(step)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(record(loss))
     return losses
 
 
@@ -122,3 +125,10 @@ def count_host_syncs():
                 setattr(torch.Tensor, n, orig)
             else:
                 delattr(torch.Tensor, n)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

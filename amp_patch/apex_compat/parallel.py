@@ -30,11 +30,22 @@ logger = logging.getLogger("amp_patch")
 ReduceOp = dist.ReduceOp
 
 
-class SyncBatchNorm(nn.SyncBatchNorm):
+#: Devices on which torch's SyncBatchNorm has its kernels; elsewhere the statistics are
+#: all-reduced by :func:`_all_reduced_batch_norm`.
+_TORCH_SYNC_DEVICES = ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())
+
+
+class SyncBatchNorm(_BatchNorm):
     """Apex's ``SyncBatchNorm``: torch's, with Apex's arguments and ``forward(input, z=None)``.
 
     Statistics are reduced over the process group in training when
-    torch.distributed is initialized; otherwise it is a plain batch norm.
+    torch.distributed is initialized; otherwise it is a plain batch norm. On
+    CUDA (and the other devices torch's :class:`~torch.nn.SyncBatchNorm` has
+    kernels for) it runs torch's; on the CPU, where torch's refuses, the batch
+    mean and variance are all-reduced with autograd-aware collectives, so the
+    gradients are those of the whole batch too. It is not a
+    :class:`torch.nn.SyncBatchNorm` instance, because DistributedDataParallel
+    rejects those on the CPU.
 
     Args:
         num_features (int): the channel count ``C``.
@@ -56,11 +67,15 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         torch.Size([4, 8, 8, 16])
     """
 
+    _check_input_dim = nn.SyncBatchNorm._check_input_dim
+    _check_non_zero_input_channels = nn.SyncBatchNorm._check_non_zero_input_channels
+
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, process_group=None,
                  channel_last: bool = False, fuse_relu: bool = False) -> None:
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
-                         track_running_stats=track_running_stats, process_group=process_group)
+                         track_running_stats=track_running_stats)
+        self.process_group = process_group
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
 
@@ -69,16 +84,72 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         # A 2-d input is (N, C) either way, as in Apex.
         channel_last = self.channel_last and input.dim() > 2
         x = input.movedim(-1, 1) if channel_last else input
-        out = super().forward(x)
+        if x.device.type in _TORCH_SYNC_DEVICES:
+            out = nn.SyncBatchNorm.forward(self, x)
+        else:  # torch's refuses to synchronise here, even over a world of one
+            group = self._sync_group()
+            out = _BatchNorm.forward(self, x) if group is None else self._synced_forward(x, group)
         if channel_last:
             out = out.movedim(1, -1)
         if z is not None:
             out = out + z
         return F.relu(out) if self.fuse_relu else out
 
+    def _sync_group(self):
+        """The group whose statistics to use, or None when this process's are the batch's."""
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group or dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def _synced_forward(self, x: torch.Tensor, group) -> torch.Tensor:
+        # The bookkeeping of torch's forward in training; the statistics come from the group.
+        self._check_input_dim(x)
+        self._check_non_zero_input_channels(x)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # a cumulative average, as torch's
+                factor = 1.0 / self.num_batches_tracked.item()
+        tracked = self.track_running_stats
+        return _all_reduced_batch_norm(x, self.weight, self.bias,
+                                       self.running_mean if tracked else None,
+                                       self.running_var if tracked else None,
+                                       self.eps, factor, group)
+
     def extra_repr(self) -> str:
         return (super().extra_repr()
                 + f", channel_last={self.channel_last}, fuse_relu={self.fuse_relu}")
+
+
+def _all_reduced_batch_norm(x: torch.Tensor, weight, bias, running_mean, running_var,
+                            eps: float, momentum: float, group) -> torch.Tensor:
+    """Batch norm with the statistics of the whole group's batch, in fp32, differentiable.
+
+    Two all-reduces (the sum with the count, then the sum of squared
+    deviations) rather than one of sums and sums of squares, whose difference
+    would cancel in fp32. Their backward all-reduces the gradients, which is
+    what makes each rank's input gradient that of the whole batch.
+    """
+    from torch.distributed.nn.functional import all_reduce
+
+    dims = [0, *range(2, x.dim())]
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    xf = x.float()
+    count = torch.full((1,), x.numel() // x.size(1), dtype=torch.float32, device=x.device)
+    sums = all_reduce(torch.cat([xf.sum(dims), count]), group=group)
+    n = sums[-1]
+    mean = sums[:-1] / n
+    centered = xf - mean.view(shape)
+    var = all_reduce(centered.square().sum(dims), group=group) / n
+    y = centered * torch.rsqrt(var + eps).view(shape)
+    if weight is not None:
+        y = y * weight.float().view(shape) + bias.float().view(shape)
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.mul_(1.0 - momentum).add_(mean * momentum)
+            running_var.mul_(1.0 - momentum).add_(var * (n / (n - 1)) * momentum)
+    return y.to(x.dtype)
 
 
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):

@@ -9,6 +9,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch import Tensor
 
+from amp_patch.distributed.fsdp import local_tensor
 from amp_patch.optim.checkpoints import install_optimizer_hooks
 from amp_patch.optim.masters import MasterWeights, match_state_to_params
 from amp_patch.optim.stepping import PatchedMethods
@@ -167,7 +168,8 @@ class OptimizerRecord:
             for pi, stepped in enumerate(group["params"]):
                 model_p = self.masters.model_param(stepped)
                 grad = model_p.grad if model_p.grad is not None else stepped.grad
-                if grad is not None and not bool(torch.isfinite(grad).all()):
+                # This rank's shard of a sharded grad: a DTensor's all() would be a collective.
+                if grad is not None and not bool(torch.isfinite(local_tensor(grad)).all()):
                     out.append(names.get(id(model_p), f"param_groups[{gi}]['params'][{pi}]"))
         return out
 

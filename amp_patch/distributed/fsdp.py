@@ -1,0 +1,336 @@
+"""amp on FSDP2 models (``fully_shard``): precision policies, sharded casts, the order guard.
+
+The supported order is ``fully_shard`` first, then the optimizer over the
+sharded parameters, then :func:`amp_patch.initialize`. :func:`prepare` then
+makes each FSDP state's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy`
+say what the opt level means:
+
+- O2 (half model, fp32 masters): the sharded fp32 parameters *are* the
+  masters. They are left fp32, and FSDP all-gathers them in ``half_dtype``
+  (``param_dtype``) and reduce-scatters the half grads in fp32
+  (``reduce_dtype``; a ``reduce_dtype`` set in the policy given to
+  ``fully_shard`` is kept), so the grads land fp32 in the shards and the
+  optimizer steps the shards directly: no second copy of the weights exists.
+  With ``keep_batchnorm_fp32``, an FSDP state holding only affine batch norms
+  all-gathers them in fp32.
+- O3 (pure half) and O0: the sharded parameters themselves are cast by
+  :mod:`amp_patch.model` (which swaps a DTensor's contents, keeping the
+  Parameter object); :meth:`ShardingPlan.refresh` then lets FSDP take the new
+  local shards.
+- O1: nothing changes; the model stays fp32 and the patched functions run
+  inside FSDP's forward and backward as anywhere else.
+
+A policy that already asks for another compute dtype than the level's is an
+error, as is a state mixing batch norms kept fp32 with other parameters (FSDP
+all-gathers one state's parameters in one dtype).
+
+The other order (``initialize`` then ``fully_shard``) leaves amp's optimizer
+records holding the unsharded parameters. Under torch.distributed a guard on
+each model's first forward finds an optimizer parameter the model no longer
+has and raises, naming the supported order.
+
+.. note::
+    This relies on FSDP2 internals of torch 2.13, read at
+    ``torch/distributed/fsdp/_fully_shard/``: ``FSDPModule._get_fsdp_state()``,
+    ``FSDPState._mp_policy`` and ``_fsdp_param_groups``, and per param group
+    ``mp_policy``, ``fsdp_params`` and ``_init_mp_dtypes()`` (what the group's
+    lazy init, at the first forward, calls to read the policy), and per
+    parameter ``mp_policy``, ``_module_info``, ``reset_sharded_param()`` (what
+    ``FSDPModule._apply`` calls after a cast), ``all_gather_outputs`` and
+    ``_unsharded_param`` (the all-gather buffers, made once in the dtype of
+    the first all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from amp_patch.session import AmpSession
+
+__all__ = ["ShardingPlan", "prepare", "local_tensor", "local_tensors", "is_sharded", "fsdp_states",
+           "install_order_guard", "SUPPORTED_ORDER"]
+
+logger = logging.getLogger("amp_patch")
+
+#: The order of calls amp supports with FSDP2, for error messages.
+SUPPORTED_ORDER = ("fully_shard(model) first, then the optimizer over model.parameters(), then "
+                   "amp_patch.initialize(model, optimizer, ...)")
+
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2's parameters and grads); any other tensor itself.
+
+    The fused ops work on plain tensors, and every rank unscales, checks and
+    clips its own shard; what must agree across ranks is combined by one
+    collective afterwards.
+
+    Args:
+        t (Tensor): a tensor, or a :class:`~torch.distributed.tensor.DTensor`.
+
+    Returns:
+        Tensor: ``t._local_tensor`` for a DTensor (a view that writes through), else ``t``.
+
+    Example::
+
+        >>> local_tensor(sharded_param.grad).shape  # this rank's rows
+        torch.Size([8, 16])
+    """
+    return local_tensors([t])[0]
+
+
+def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
+    """:func:`local_tensor` of each; ``tensors`` itself while no DTensor can exist.
+
+    Args:
+        tensors (list of Tensor): any tensors.
+
+    Returns:
+        list of Tensor: the local shards of the DTensors among them, the others as they are.
+    """
+    # No DTensor exists until its module is imported (which costs most of a second), and
+    # the fused ops' callers pass every grad of every iteration through here.
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return tensors
+    dtensor = module.DTensor
+    return [t._local_tensor if type(t) not in _PLAIN and isinstance(t, dtensor) else t
+            for t in tensors]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``fully_shard`` was applied to ``model`` or one of its submodules."""
+    return bool(fsdp_states([model]))
+
+
+def fsdp_states(models: Iterable[nn.Module]) -> list:
+    """The FSDP2 states of the models' modules, each once, outermost first."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []  # fully_shard was never imported, so nothing is sharded
+    from torch.distributed.fsdp import FSDPModule
+
+    states, seen = [], set()
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                if id(state) not in seen:
+                    seen.add(id(state))
+                    states.append(state)
+    return states
+
+
+class ShardingPlan:
+    """What amp changed in the FSDP2 states of a session's models, and its undo.
+
+    Made by :func:`prepare`. :attr:`policy_cast` holds the parameters whose
+    dtype FSDP's policy takes care of (O2), which :mod:`amp_patch.model` must
+    not cast.
+
+    Args:
+        states (list): the FSDP states.
+        policies (list): the policy amp gives each state, in the same order.
+
+    Attributes:
+        policy_cast (frozenset of int): ``id()`` of the sharded parameters left
+            to the policy.
+    """
+
+    def __init__(self, states: list, policies: list) -> None:
+        self.states = states
+        self._originals = [state._mp_policy for state in states]
+        self._policies = policies
+        self.policy_cast = frozenset(
+            id(p) for state, policy in zip(states, policies) if policy.param_dtype is not None
+            for p in _sharded_params(state))
+
+    def apply(self) -> None:
+        """Give each state its policy (read by FSDP at the first forward, or re-read now)."""
+        for state, policy in zip(self.states, self._policies):
+            _set_policy(state, policy)
+        self.refresh()
+
+    def restore(self) -> None:
+        """Put the policies given to ``fully_shard`` back, and let FSDP re-read them."""
+        for state, policy in zip(self.states, self._originals):
+            _set_policy(state, policy)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Let FSDP take the current shards and policies.
+
+        After a cast each parameter re-takes its local shard. A state that
+        has run forward already read its dtypes: it reads them again, and
+        all-gather buffers made in another dtype are dropped, so that the next
+        all-gather makes them anew.
+        """
+        for state in self.states:
+            for module in state._modules:
+                module.reshard()  # the sharded parameters must be the registered ones
+            for group in state._fsdp_param_groups:
+                with torch.no_grad():
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.reset_sharded_param()
+                if not hasattr(group, "_orig_dtype"):
+                    continue  # not lazily initialized yet: the first forward reads everything
+                group._init_mp_dtypes()
+                for fsdp_param in group.fsdp_params:
+                    wanted = fsdp_param.param_dtype or fsdp_param.orig_dtype
+                    outputs = fsdp_param.all_gather_outputs
+                    if outputs and outputs[0].dtype != wanted:
+                        fsdp_param.all_gather_outputs = []
+                        if hasattr(fsdp_param, "_unsharded_param"):
+                            del fsdp_param._unsharded_param
+
+
+def prepare(session: "AmpSession") -> ShardingPlan | None:
+    """Fit the FSDP2 states of the session's models to its opt level (see the module's text).
+
+    Everything is checked before anything changes. The undo (the policies
+    given to ``fully_shard`` back) is registered with ``session.on_close``
+    before the model is cast, so that it runs after a failed initialize has
+    put the model's dtypes back, and FSDP then takes those shards again.
+
+    Args:
+        session (AmpSession): the session being built.
+
+    Returns:
+        ShardingPlan or None: None when no model is sharded.
+
+    Raises:
+        ValueError: a policy given to ``fully_shard`` asks for another compute
+            dtype than the level's, or ``keep_batchnorm_fp32`` meets an FSDP
+            state that holds batch norms and other parameters together.
+
+    Example::
+
+        >>> fully_shard(model)
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> model, opt = amp.initialize(model, opt, opt_level="O2")
+        >>> model._get_fsdp_state()._mp_policy.param_dtype
+        torch.bfloat16
+    """
+    from amp_patch.model import kept_fp32
+    from amp_patch.optim.masters import HALF_DTYPES
+
+    states = fsdp_states(session.models)
+    if not states:
+        return None
+    props = session.props
+    half = props.cast_model_type if props.cast_model_type in HALF_DTYPES else None
+    keep = bool(props.keep_batchnorm_fp32) and half is not None
+    policies = []
+    for state in states:
+        modules = {id(m): m for m in _param_modules(state)}.values()
+        kept = [kept_fp32(m, keep) for m in modules]
+        if any(kept) and not all(kept):
+            names = sorted(type(m).__name__ for m in modules if kept_fp32(m, keep))
+            raise ValueError(
+                f"keep_batchnorm_fp32 keeps {', '.join(names)} in fp32, but fully_shard put "
+                f"them in one FSDP group with other parameters of {_state_name(state)}, and FSDP "
+                "gathers one group in one dtype. Call fully_shard on each batch norm before its "
+                "parent, or pass keep_batchnorm_fp32=False.")
+        kept_only = any(kept)  # then every one (checked above): this state stays as it is
+        want = half if half is not None and props.master_weights and not kept_only else None
+        # The dtype this state computes in once amp is done: gathered in half, cast, or its own.
+        cast = props.cast_model_type if props.casts_model and not kept_only else None
+        policies.append(_policy(state, want, want or cast or _own_dtype(state), props.opt_level))
+    plan = ShardingPlan(states, policies)
+    session.on_close("FSDP mixed-precision policies", plan.restore)
+    plan.apply()
+    return plan
+
+
+def install_order_guard(session: "AmpSession") -> None:
+    """On each model's first forward, raise if an optimizer steps parameters the model lost.
+
+    That happens when ``fully_shard`` (or anything else that replaces
+    parameters) runs after :func:`amp_patch.initialize`: amp's optimizer
+    records, and the optimizer itself, still hold the parameters from before.
+    The check runs once per model (its cost is one pass over the
+    parameters); the hook removes itself when it passes.
+
+    Args:
+        session (AmpSession): the session being built.
+    """
+    held = {id(record.model_param(p)) for record in session.optimizer_records.values()
+            for p in record.stepped_params()}
+    for index, model in enumerate(session.models):
+        mine = {id(p) for p in model.parameters()} & held
+        if mine:
+            _guard(session, model, index, mine)
+
+
+def _guard(session: "AmpSession", model: nn.Module, index: int, expected: set[int]) -> None:
+    handle = None
+
+    def check(module, args):
+        if expected - {id(p) for p in model.parameters()}:
+            sharded = is_sharded(model)
+            raise RuntimeError(
+                f"model {index} no longer has the parameters that its optimizer steps: "
+                + ("fully_shard was applied after amp_patch.initialize(), so the optimizer and "
+                   "amp hold the unsharded parameters. " if sharded else
+                   "they were replaced after amp_patch.initialize() (load_state_dict(assign=True), "
+                   "fully_shard, or a new submodule). ")
+                + f"Call amp_patch.deinitialize(), then {SUPPORTED_ORDER}.")
+        handle.remove()
+
+    # First, before FSDP's own pre-forward (also prepended, at fully_shard) registers the
+    # unsharded parameters on the modules, when fully_shard came before initialize.
+    handle = model.register_forward_pre_hook(check, prepend=True)
+    session.on_close("first-forward order guard", handle.remove)
+
+
+def _policy(state, want: torch.dtype | None, compute: torch.dtype | None, level: str):
+    """The policy amp gives one state: the one given to fully_shard, with the level's dtypes."""
+    given = state._mp_policy
+    if given.param_dtype not in (None, compute):
+        raise ValueError(_conflict(state, given, level))
+    if want is None:
+        return given
+    reduce_dtype = given.reduce_dtype if given.reduce_dtype is not None else torch.float32
+    return dataclasses.replace(given, param_dtype=want, reduce_dtype=reduce_dtype)
+
+
+def _conflict(state, given, level: str) -> str:
+    return (f"fully_shard({_state_name(state)}, mp_policy=MixedPrecisionPolicy(param_dtype="
+            f"{given.param_dtype})) asks FSDP to compute in {given.param_dtype}, which opt_level "
+            f"{level} does not do. Leave param_dtype unset: amp sets it where the level casts "
+            "(O2 all-gathers in half_dtype), and a reduce_dtype you set is kept.")
+
+
+def _set_policy(state, policy) -> None:
+    state._mp_policy = policy  # read at each forward for the input and output casts
+    for group in state._fsdp_param_groups:
+        group.mp_policy = policy
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.mp_policy = policy
+
+
+def _sharded_params(state) -> Iterable[Tensor]:
+    for group in state._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            yield fsdp_param.sharded_param
+
+
+def _param_modules(state) -> list[nn.Module]:
+    return [fsdp_param._module_info.module for group in state._fsdp_param_groups
+            for fsdp_param in group.fsdp_params]
+
+
+def _state_name(state) -> str:
+    modules = state._modules
+    return ", ".join(type(m).__name__ for m in modules) if modules else "a module"
+
+
+def _own_dtype(state) -> torch.dtype | None:
+    return next((p.dtype for p in _sharded_params(state) if p.is_floating_point()), None)
