@@ -256,7 +256,7 @@ def test_fp32_params_stay_and_half_params_get_masters():
 
 
 def test_wraps_served_fused_adam_and_lbfgs_closure():
-    from amp_patch.apex_compat.optimizers import FusedAdam
+    from amp_patch.optimizers import FusedAdam
 
     model = _model(torch.bfloat16)
     opt = FP16_Optimizer(FusedAdam(model.parameters(), lr=1e-2), dynamic_loss_scale=True)

@@ -15,8 +15,8 @@ instead, even when the script catches the error, and the finder records it in
 :attr:`ApexFinder.misses` (``amp-patch run`` prints a summary at the end).
 
 Every module it serves is a package with an empty ``__path__``. That makes
-``from apex.optimizers import FusedLAMB`` ask the finder about
-``apex.optimizers.FusedLAMB`` when the attribute is missing, so the error
+``from apex.normalization import MixedFusedLayerNorm`` ask the finder about
+``apex.normalization.MixedFusedLayerNorm`` when the attribute is missing, so the error
 names the unsupported attribute rather than Python's generic
 "cannot import name".
 
@@ -78,7 +78,8 @@ MODULES: dict[str, _Mapping] = {
     "apex.amp._amp_state": _Mapping(_AMP_STATE_MODULE, "_amp_state (a live view), master_params",
                                     ("master_params",), _AMP_STATE),
     "apex.optimizers": _Mapping(
-        "amp_patch.apex_compat.optimizers", "FusedAdam, FusedSGD",
+        "amp_patch.optimizers",
+        "FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedSGD, FusedNovoGrad, FusedAdagrad",
         ("FusedSGD", "FusedAdam", "FusedNovoGrad", "FusedLAMB", "FusedAdagrad",
          "FusedMixedPrecisionLamb")),
     "apex.parallel": _Mapping(
@@ -110,10 +111,6 @@ MODULES: dict[str, _Mapping] = {
 _HINTS: dict[str, str] = {
     "apex.optimizers.FP16_Optimizer": "apex.fp16_utils.FP16_Optimizer (Apex's later spelling), "
                                       "or amp.initialize(..., opt_level='O2')",
-    "apex.optimizers.FusedLAMB": "a LAMB implementation of your choice (torch.optim has none)",
-    "apex.optimizers.FusedNovoGrad": "a NovoGrad implementation of your choice (torch.optim has "
-                                     "none)",
-    "apex.optimizers.FusedAdagrad": "torch.optim.Adagrad(..., fused=True)",
     "apex.normalization.MixedFusedLayerNorm": "torch.nn.LayerNorm under opt_level='O1'",
     "apex.normalization.MixedFusedRMSNorm": "torch.nn.RMSNorm under opt_level='O1'",
     "apex.parallel.Reducer": "torch.nn.parallel.DistributedDataParallel, or "
