@@ -127,6 +127,7 @@ class FusedAdam(FusedOptimizer):
             if not group["params"]:
                 continue
             step = self._next_step(group)
+            lr = self._scalar(group["lr"])  # a host read when it is a tensor: once per group
             beta1, beta2 = group["betas"]
             for b in self._batches(group):
                 ops.multi_tensor_adam_(
@@ -134,7 +135,7 @@ class FusedAdam(FusedOptimizer):
                     [self._state_tensor(p, "exp_avg", torch.float32) for p in b.keys],
                     [self._state_tensor(p, "exp_avg_sq", torch.float32) for p in b.keys],
                     b.model_params, b.noop, b.inv_scale,
-                    lr=self._scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=step,
                     adam_w_mode=bool(self.adam_w_mode),
                     bias_correction=bool(group["bias_correction"]))
