@@ -254,7 +254,7 @@ class LossScaler:
             ops.multi_tensor_axpby_(x, y, state.found_inf, 1.0 / self._scale, 1.0)
 
     def check(self, grads: Sequence[Tensor]) -> dict[torch.device, Tensor]:
-        """Flag an overflow if any of ``grads`` holds an inf or NaN, only reading them (no host sync).
+        """Flag an overflow if any of ``grads`` holds an inf or NaN, only reading them (no sync).
 
         One :func:`amp_patch.ops.multi_tensor_l2norm` per device: the norm of
         the grads as stored is non-finite when one of them is, so the flag

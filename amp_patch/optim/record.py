@@ -214,7 +214,7 @@ class OptimizerRecord:
         self.scaled_grads_pending = False
 
     def defer_unscale(self, scaler: "LossScaler") -> bool:
-        """At ``scale_loss`` exit: leave the fresh grads scaled for the one-pass step, if it applies.
+        """At ``scale_loss`` exit: leave the fresh grads scaled for the one-pass step, if it can.
 
         It applies when the optimizer takes step inputs and nothing is to be
         accumulated (no master grad, nothing stashed at entry). The grads are
@@ -266,11 +266,11 @@ class OptimizerRecord:
         unscale_grads(in_place, copy, deferred.tensors.__getitem__)
 
     def drop_deferred(self) -> None:
-        """Forget deferred grads: they were stepped, or cleared (``zero_grad``), or the step was skipped."""
+        """Forget deferred grads: cleared (``zero_grad``), or their step was skipped."""
         self._deferred = None
 
     def step_inputs(self) -> FusedStepInputs | None:
-        """What ``step()`` of an optimizer that takes step inputs reads and writes besides its params.
+        """What ``step()`` of an optimizer that takes step inputs reads, and writes besides params.
 
         The half model params, written in the same pass as their masters; with
         deferred grads, also those grads, the exit's inverse scale and the
