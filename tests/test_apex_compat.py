@@ -155,6 +155,13 @@ APEX_SIGNATURES = {
         "init_zero=False, set_grad_none=True",
     "apex.optimizers.FusedAdagrad":
         "params, lr=1e-2, eps=1e-10, weight_decay=0., set_grad_none=True, adagrad_w_mode=False",
+    # The 2019 spelling (apex/optimizers/fp16_optimizer.py before Apex 1904e48d).
+    "apex.optimizers.FP16_Optimizer":
+        "init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, "
+        "dynamic_loss_args=None, verbose=True",
+    "apex.optimizers.FP16_Optimizer.zero_grad": "set_grads_to_None=True",
+    "apex.optimizers.FP16_Optimizer.step": "closure=None",
+    "apex.optimizers.FP16_Optimizer.backward": "loss",
 }
 
 

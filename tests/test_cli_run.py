@@ -33,14 +33,13 @@ def test_apex_amp_is_amp_patch_api():
 
         for name in amp_patch.__all__:
             assert getattr(amp, name) is getattr(amp_patch, name)
-        assert FusedAdam is fused.FusedAdam and FusedSGD is fused.FusedSGD
+        assert issubclass(FusedAdam, fused.FusedAdam) and FusedSGD is fused.FusedSGD
         assert issubclass(DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
     assert "apex" not in sys.modules and "apex.amp" not in sys.modules
 
 
 @pytest.mark.parametrize("stmt, name", [
     ("import apex.contrib.xyz", "apex.contrib"),
-    ("from apex.optimizers import FP16_Optimizer", "apex.optimizers.FP16_Optimizer"),
     ("from apex.normalization import MixedFusedLayerNorm",
      "apex.normalization.MixedFusedLayerNorm"),
     ("import apex.transformer", "apex.transformer"),

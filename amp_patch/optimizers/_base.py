@@ -275,17 +275,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                 batch.model_params.append(out)
         return list(batches.values())
 
-    def _grad_norms(self) -> dict[torch.device, Tensor]:
-        """The L2 norm of every grad of this step, per device of the params (global across
-        devices when there are several): from the step inputs' ``grad_norms``, else from one
-        :func:`amp_patch.ops.multi_tensor_l2norm` per device over the grads in ``param_groups``
-        order. The grads are as stored: ``inv_scale`` is applied by the kernel that uses it."""
-        given = self._inputs.grad_norms if self._inputs is not None else None
+    def _grad_norms(self, groups: list[dict[str, Any]] | None = None) -> dict[torch.device, Tensor]:
+        """The L2 norm of every grad of this step's ``groups`` (default: all), per device of the
+        params (global across devices when there are several).
+
+        For all groups it comes from the step inputs' ``grad_norms`` when they have it, else
+        from one :func:`amp_patch.ops.multi_tensor_l2norm` per device over the grads in
+        ``param_groups`` order. The grads are as stored: ``inv_scale`` is applied by the
+        kernel that uses the norm.
+        """
+        given = self._inputs.grad_norms if self._inputs is not None and groups is None else None
         if given is not None:
             norms = dict(given)
         else:
             per_device: dict[torch.device, list[Tensor]] = {}
-            for group in self.param_groups:
+            for group in self.param_groups if groups is None else groups:
                 for p in group["params"]:
                     grad = self._grad_of(p)
                     if grad is not None:
