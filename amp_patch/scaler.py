@@ -298,6 +298,12 @@ class LossScaler:
 
         Returns:
             _DeviceTensors: ``found_inf`` (zero) and ``inv_scale`` (``1 / loss_scale`` now).
+
+        Example::
+
+            >>> kept = scaler.snapshot(grad.device)
+            >>> scaler.update()             # may double the scale
+            >>> unscale_grads([grad], ([], []), {grad.device: kept}.__getitem__)
         """
         return _DeviceTensors(device, self._scale)
 

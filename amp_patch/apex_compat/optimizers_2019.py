@@ -161,6 +161,11 @@ class FusedAdam2019(FusedAdam):
 
         Returns:
             The closure's loss, or None.
+
+        Example::
+
+            >>> opt.step(grads=[[p.grad for p in half_params]], output_params=[half_params],
+            ...          scale=1024.0, grad_norms=[norm_of_those_grads])
         """
         if grads is None and output_params is None and scale == 1.0 and grad_norms is None:
             return optimizers.FusedOptimizer.step(self, closure)
@@ -298,7 +303,12 @@ class FP16_Optimizer(fp16_optimizer.FP16_Optimizer):  # noqa: N801 - Apex's name
 
     @property
     def cur_scale(self) -> float:
-        """The current loss scale (Apex 2019's attribute name)."""
+        """The current loss scale (Apex 2019's attribute name).
+
+        Example::
+
+            >>> logger.info("loss scale %s", optimizer.cur_scale)
+        """
         return self.loss_scale
 
     def zero_grad(self, set_grads_to_None: bool = True) -> None:  # noqa: N803 - Apex's name
@@ -306,6 +316,10 @@ class FP16_Optimizer(fp16_optimizer.FP16_Optimizer):  # noqa: N801 - Apex's name
 
         Args:
             set_grads_to_None (bool, optional): else zero them. Default: True.
+
+        Example::
+
+            >>> optimizer.zero_grad()
         """
         super().zero_grad(set_grads_to_None)
 
@@ -314,6 +328,10 @@ class FP16_Optimizer(fp16_optimizer.FP16_Optimizer):  # noqa: N801 - Apex's name
 
         Args:
             loss (Tensor): the loss.
+
+        Example::
+
+            >>> optimizer.backward(model(input_ids, labels))   # instead of loss.backward()
         """
         (loss.float() * self._scaler.loss_scale).backward()
 
@@ -328,6 +346,13 @@ class FP16_Optimizer(fp16_optimizer.FP16_Optimizer):  # noqa: N801 - Apex's name
 
         Raises:
             TypeError: a closure is given.
+
+        Example::
+
+            >>> optimizer.backward(loss)
+            >>> optimizer.step()
+            >>> optimizer.overflow        # True when it was skipped
+            False
         """
         if closure is not None:
             raise TypeError("apex.optimizers.FP16_Optimizer.step() takes no closure (nor did "
