@@ -266,7 +266,7 @@ class OptimizerRecord:
         unscale_grads(in_place, copy, deferred.tensors.__getitem__)
 
     def drop_deferred(self) -> None:
-        """Forget deferred grads: cleared (``zero_grad``), or their step was skipped."""
+        """Forget deferred grads whose step was skipped (an overflow)."""
         self._deferred = None
 
     def step_inputs(self) -> FusedStepInputs | None:
