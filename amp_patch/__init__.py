@@ -18,9 +18,8 @@ from amp_patch.apex_compat.multi_tensor_apply import multi_tensor_applier
 from amp_patch.distributed.checkpoint import load_checkpoint, save_checkpoint
 from amp_patch.distributed.clip import clip_grad_norm_
 from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
-from amp_patch.handle import scale_loss
+from amp_patch.handle import master_params, scale_loss
 from amp_patch.legacy import init
-from amp_patch.optim import master_params
 from amp_patch.patching.registry import (
     float_function,
     half_function,

@@ -15,7 +15,7 @@ from amp_patch.scaler import LossScaleCollapseError
 if TYPE_CHECKING:
     from amp_patch.optim import OptimizerRecord
 
-__all__ = ["scale_loss"]
+__all__ = ["scale_loss", "master_params"]
 
 
 @contextlib.contextmanager
@@ -35,7 +35,10 @@ def scale_loss(
     call per (kind, device, dtype): in place for params stepped directly, and
     from half model grads into fp32 master grads under O2 (or accumulated
     into grads already there: ``y = x / scale + y``). Every pass, and the
-    loss itself, feed one overflow flag. The scaler then updates, with the
+    loss itself, feed one overflow flag. Under O2 with an amp_patch fused
+    optimizer (one that takes step inputs) the grads are instead only read,
+    by one L2 norm per device that feeds the flag, and ``step()`` reads them
+    still scaled (the one-pass step, see docs/optimizers.md). The scaler then updates, with the
     one host sync of the iteration; on overflow the next ``step()`` of each
     of these optimizers is skipped and the scale halves (dynamic scaling).
     The O1 weight-cast cache is cleared.
@@ -126,6 +129,10 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         return
 
     scaler = session.scalers[loss_id]
+    for record in records:
+        # Grads an earlier exit left scaled for a one-pass step: unscaled now, before this
+        # backward adds to them, as that exit would have done.
+        record.materialize_grads()
     if not delay_unscale:
         for record in records:
             record.prepare_backward()
@@ -148,7 +155,10 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         copy: tuple[list[Tensor], list[Tensor]] = ([], [])
         accumulate: tuple[list[Tensor], list[Tensor]] = ([], [])
         for record in records:
-            record.collect_unscale(in_place, copy, accumulate)
+            # The one-pass O2 step reads the grads itself; without the overflow check that
+            # follows, a step on non-finite grads must see them unscaled, as it always did.
+            if delay_overflow_check or not record.defer_unscale(scaler):
+                record.collect_unscale(in_place, copy, accumulate)
         scaler.unscale(in_place, copy, accumulate)
         if delay_overflow_check:
             return
@@ -164,6 +174,37 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
                 record.skip_next_step = True
     finally:
         _end_iteration(session)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+    """Iterate over the tensors ``optimizer`` steps: the fp32 masters under O2, else its params.
+
+    Clip gradients on these after :func:`scale_loss` exits: they hold the
+    unscaled gradients. Under O2 with an amp_patch fused optimizer the exit
+    leaves the grads scaled for the one-pass step; the first element asked for
+    makes the masters' fp32 grads then (the unscale pass the exit left out),
+    and that ``step()`` reads them instead.
+
+    Args:
+        optimizer (torch.optim.Optimizer): an optimizer passed to :func:`amp_patch.initialize`
+            (any optimizer works; without amp it yields its params).
+
+    Yields:
+        Tensor: each param of each param group, in order.
+
+    Example::
+
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
+        >>> optimizer.step()
+    """
+    session = _session.current()
+    record = session.optimizer_records.get(id(optimizer)) if session is not None else None
+    if record is not None and record.optimizer_or_none() is optimizer:
+        record.materialize_grads()
+    for group in optimizer.param_groups:
+        yield from group["params"]
 
 
 def _end_iteration(session: _session.AmpSession) -> None:

@@ -25,7 +25,7 @@ from amp_patch import ops
 from amp_patch.distributed.fsdp import local_tensors
 from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
 
-__all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype"]
+__all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype", "unscale_grads"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -75,6 +75,30 @@ def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[
         for out, lst in zip(bucket, lists):
             out.append(lst[i])
     return groups
+
+
+def unscale_grads(in_place: Iterable[Tensor], copy: tuple[Sequence[Tensor], Sequence[Tensor]],
+                  tensors: Callable[[torch.device], "_DeviceTensors"]) -> None:
+    """The in-place and the copying unscale passes: one fused call per (kind, device, dtype).
+
+    Args:
+        in_place (iterable of Tensor): grads divided by the scale in place
+            (``multi_tensor_unscale_``).
+        copy (pair of lists): ``(src, dst)``: ``dst = float(src) * inv_scale``
+            (``multi_tensor_unscale_copy_``).
+        tensors (callable): ``tensors(device)`` gives the ``found_inf`` flag
+            that the passes raise and the ``inv_scale`` they multiply by.
+
+    Example::
+
+        >>> unscale_grads([fp32_grad], ([half_grad], [master_grad]), scaler.device_tensors)
+    """
+    for (device, _), (grads,) in group_by_device_and_dtype(list(in_place)).items():
+        state = tensors(device)
+        ops.multi_tensor_unscale_(grads, state.found_inf, state.inv_scale)
+    for (device, _), (src, dst) in group_by_device_and_dtype(*copy).items():
+        state = tensors(device)
+        ops.multi_tensor_unscale_copy_(src, dst, state.found_inf, state.inv_scale)
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -228,15 +252,64 @@ class LossScaler:
         .. note::
             Nothing here syncs; the flags are read by :meth:`update`.
         """
-        for (device, _), (grads,) in group_by_device_and_dtype(list(in_place)).items():
-            state = self.device_tensors(device)
-            ops.multi_tensor_unscale_(grads, state.found_inf, state.inv_scale)
-        for (device, _), (src, dst) in group_by_device_and_dtype(*copy).items():
-            state = self.device_tensors(device)
-            ops.multi_tensor_unscale_copy_(src, dst, state.found_inf, state.inv_scale)
+        unscale_grads(in_place, copy, self.device_tensors)
         for (device, _), (x, y) in group_by_device_and_dtype(*accumulate).items():
             state = self.device_tensors(device)
             ops.multi_tensor_axpby_(x, y, state.found_inf, 1.0 / self._scale, 1.0)
+
+    def check(self, grads: Sequence[Tensor]) -> dict[torch.device, Tensor]:
+        """Flag an overflow if any of ``grads`` holds an inf or NaN, only reading them (no sync).
+
+        One :func:`amp_patch.ops.multi_tensor_l2norm` per device: the norm of
+        the grads as stored is non-finite when one of them is, so the flag
+        rises as the unscale passes would raise it, without writing anything.
+        (It also rises for finite grads whose norm overflows fp32, which no
+        optimizer could step with anyway.) The one-pass O2 step reads the
+        grads, still scaled, in the optimizer's own pass.
+
+        Args:
+            grads (sequence of Tensor): the grads, in the order the norms
+                should sum them (an optimizer's ``param_groups`` order).
+
+        Returns:
+            dict: device to the L2 norm (0-dim fp32) of that device's grads, as
+            stored (times the loss scale); LAMB reuses it for its clipping.
+
+        Example::
+
+            >>> norms = scaler.check([p.grad for p in model.parameters()])
+            >>> overflow = scaler.update()   # the one host sync
+        """
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        norms = {}
+        for device, device_grads in by_device.items():
+            norm = ops.multi_tensor_l2norm(device_grads)[0]
+            self.device_tensors(device).found_inf.masked_fill_(~torch.isfinite(norm), 1.0)
+            norms[device] = norm
+        return norms
+
+    def snapshot(self, device: torch.device) -> _DeviceTensors:
+        """This scale's ``inv_scale`` on ``device``, as a tensor of its own, with a flag of its own.
+
+        For grads read after :meth:`update` (a deferred unscale, or the
+        one-pass step): update may already have changed the scale, and a later
+        pass must not raise the next iteration's overflow flag.
+
+        Args:
+            device (torch.device): where the tensors live.
+
+        Returns:
+            _DeviceTensors: ``found_inf`` (zero) and ``inv_scale`` (``1 / loss_scale`` now).
+
+        Example::
+
+            >>> kept = scaler.snapshot(grad.device)
+            >>> scaler.update()             # may double the scale
+            >>> unscale_grads([grad], ([], []), {grad.device: kept}.__getitem__)
+        """
+        return _DeviceTensors(device, self._scale)
 
     def _read_overflow(self) -> bool:
         flags = [state.found_inf for state in self._devices.values()]

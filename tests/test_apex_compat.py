@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import required
 
 import amp_patch
 from amp_patch.apex_compat import import_hook
@@ -36,7 +37,8 @@ STAR = {
                         "tofp16", "to_python_float", "clip_grad_norm", "convert_module",
                         "convert_network", "FP16Model", "FP16_Optimizer", "LossScaler",
                         "DynamicLossScaler"},
-    "apex.optimizers": {"FusedAdam", "FusedSGD"},
+    "apex.optimizers": {"FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedSGD",
+                        "FusedNovoGrad", "FusedAdagrad"},
     "apex.parallel": {"DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model",
                       "create_syncbn_process_group", "ReduceOp", "LARC"},
     "apex.normalization": {"FusedLayerNorm", "FusedRMSNorm"},
@@ -131,6 +133,34 @@ APEX_SIGNATURES = {
                                        "memory_efficient=False",
     "apex.multi_tensor_apply.MultiTensorApply": "chunk_size",
     "apex.parallel.LARC.LARC": "optimizer, trust_coefficient=0.02, clip=True, eps=1e-08",
+    "apex.optimizers.FusedAdam":
+        "params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True, "
+        "weight_decay=0., amsgrad=False, set_grad_none=True, capturable=False, "
+        "master_weights=False",
+    "apex.optimizers.FusedLAMB":
+        "params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, "
+        "amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, "
+        "max_grad_norm=1.0, use_nvlamb=False",
+    "apex.optimizers.FusedMixedPrecisionLamb":
+        "params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, "
+        "weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True, "
+        "max_grad_norm=1.0, use_nvlamb=False, reduced_precision_dtype=None",
+    "apex.optimizers.FusedSGD":
+        "params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False, "
+        "wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False",
+    "apex.optimizers.FusedNovoGrad":
+        "params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0., "
+        "amsgrad=False, reg_inside_moment=False, grad_averaging=True, norm_type=2, "
+        "init_zero=False, set_grad_none=True",
+    "apex.optimizers.FusedAdagrad":
+        "params, lr=1e-2, eps=1e-10, weight_decay=0., set_grad_none=True, adagrad_w_mode=False",
+    # The 2019 spelling (apex/optimizers/fp16_optimizer.py before Apex 1904e48d).
+    "apex.optimizers.FP16_Optimizer":
+        "init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, "
+        "dynamic_loss_args=None, verbose=True",
+    "apex.optimizers.FP16_Optimizer.zero_grad": "set_grads_to_None=True",
+    "apex.optimizers.FP16_Optimizer.step": "closure=None",
+    "apex.optimizers.FP16_Optimizer.backward": "loss",
 }
 
 
@@ -149,7 +179,8 @@ def _served(path: str):
 
 @pytest.mark.parametrize("path", sorted(APEX_SIGNATURES))
 def test_served_signature_starts_with_apex_signature(hook, path):
-    apex_lambda = eval(f"lambda {APEX_SIGNATURES[path]}: None")
+    # ``required`` is torch's marker of a mandatory lr, which FusedSGD's signature has.
+    apex_lambda = eval(f"lambda {APEX_SIGNATURES[path]}: None", {"required": required})
     expected = list(inspect.signature(apex_lambda).parameters.values())
     obj = _served(path)
     params = list(inspect.signature(obj).parameters.values())
@@ -329,14 +360,14 @@ def test_caught_import_of_unserved_name_still_warns(hook, caplog):
         except ImportError:
             pass
     try:
-        from apex.optimizers import FusedLAMB  # noqa: F401
+        from apex.normalization import MixedFusedLayerNorm  # noqa: F401
     except ImportError:
         pass
     records = [r.getMessage() for r in caplog.records if r.name == "amp_patch"]
     assert len(records) == 2  # once per name
     assert records[0].startswith("apex.contrib is not provided by amp_patch; use instead:")
-    assert "apex.optimizers.FusedLAMB is not provided" in records[1]
-    assert list(hook.misses) == ["apex.contrib", "apex.optimizers.FusedLAMB"]
+    assert "apex.normalization.MixedFusedLayerNorm is not provided" in records[1]
+    assert list(hook.misses) == ["apex.contrib", "apex.normalization.MixedFusedLayerNorm"]
 
 
 def test_unserved_attribute_warns(hook, caplog):

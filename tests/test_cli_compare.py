@@ -254,6 +254,25 @@ def test_bench_lm_has_about_21m_params():
     assert 20e6 < models.parameter_count(w.model) < 22e6
 
 
+def test_lm_optimizer_choices():
+    from amp_patch.optimizers import FusedAdam
+
+    tiny = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len=8, batch_size=2)
+    assert isinstance(models.lm(fused_adam=True, **tiny).optimizer, FusedAdam)
+    assert models.lm(fused=True, **tiny).optimizer.defaults["fused"] is True
+    with pytest.raises(ValueError, match="choose one"):
+        models.lm(fused=True, fused_adam=True, **tiny)
+
+
+def test_level_models_build_another_workload_for_some_levels():
+    spec = rounds.JobSpec("mlp", batch_size=4, level_models=(("O2", "convnet"),))
+    records = rounds.measure(spec, ["O0", "O2"], warmup=1, rounds=[])
+    first = models.build(models.BUILTIN["convnet"], batch_size=4)
+    first_loss = first.loss_fn(first.model, first.batch_fn(0)).item()
+    assert records["O2"].losses[0] == pytest.approx(first_loss, rel=0.05)
+    assert records["O0"].losses[0] != pytest.approx(first_loss, rel=0.05)
+
+
 def test_resolve_rejects_unknown_names():
     with pytest.raises(ValueError, match="built-in name"):
         models.resolve("resnet")

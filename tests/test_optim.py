@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -183,51 +184,74 @@ def test_optim_package_imports_neither_the_session_nor_the_patching():
                                             "amp_patch.frontend", "amp_patch.handle")), (path, name)
 
 
-class _OnePassSGD(torch.optim.SGD):
-    """A stand-in for a fused O2 optimizer: it takes the (model, master) pairs and writes
-    the model params in its own step."""
+class _StepInputsSGD(torch.optim.Optimizer):
+    """A stand-in for a third-party optimizer that takes amp's step inputs (``fused_step_inputs``):
+    plain SGD that reads each grad from the inputs, times their inverse scale, and writes the
+    model copy itself."""
 
     def __init__(self, params, lr):
-        super().__init__(params, lr=lr)
-        self.pairs = None
-        self.writes = 0
+        super().__init__(params, dict(lr=lr))
+        self.inputs = None
+        self.seen = []
 
-    def amp_attach_masters(self, pairs):
-        self.pairs = pairs
-        return True
+    @contextlib.contextmanager
+    def fused_step_inputs(self, inputs):
+        self.inputs = inputs
+        try:
+            yield inputs
+        finally:
+            self.inputs = None
 
     @torch.no_grad()
     def step(self, closure=None):
-        out = super().step(closure)
-        for model_p, master in self.pairs:
-            model_p.copy_(master)
-            self.writes += 1
-        return out
+        inputs = self.inputs
+        self.seen.append(inputs)
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = inputs.grads.get(p) if inputs.grads is not None else None
+                grad = p.grad if grad is None else grad.float() * inputs.inv_scale
+                if grad is not None:
+                    p.add_(grad, alpha=-group["lr"])
+                    if p in inputs.model_params:
+                        inputs.model_params[p].copy_(p)
 
 
-def test_optimizer_that_writes_the_model_itself_gets_the_pairs(monkeypatch):
+@pytest.mark.parametrize("clip", [False, True], ids=["one-pass", "materialized"])
+def test_optimizer_that_takes_step_inputs_writes_the_model_itself(monkeypatch, clip):
     from amp_patch import ops
 
-    def run(cls):
+    def run(cls, calls=None):
         model = mlp()
         opt = cls(model.parameters(), lr=0.1)
-        amp.initialize(model, opt, opt_level="O2", verbosity=0)
-        train(model, opt, 3)
+        amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+        for step in range(3):
+            x, y = mlp_batch(step)
+            with amp.scale_loss(xent(model(x), y), opt) as scaled:
+                scaled.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1e9)
+            opt.step()
+            opt.zero_grad()
         out = [p.detach().clone() for p in model.parameters()]
-        return model, opt, out
+        masters = list(amp.master_params(opt))
+        amp.deinitialize()
+        return model, opt, masters, out
 
-    _, _, ref = run(torch.optim.SGD)
-    amp.deinitialize()
-    copies = []
-    real_copy = ops.multi_tensor_copy_
-    monkeypatch.setattr(ops, "multi_tensor_copy_", lambda *a: (copies.append(1), real_copy(*a)))
-    model, opt, got = run(_OnePassSGD)
+    _, _, _, ref = run(lambda params, lr: torch.optim.SGD(params, lr=lr, foreach=False))
+    calls = []
+    for name in ("multi_tensor_copy_", "multi_tensor_unscale_copy_"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, _r=real: (calls.append(_n), _r(*a)))
+    model, opt, masters, got = run(_StepInputsSGD)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
-    assert not copies and opt.writes == 3 * len(ref)
-    assert [m for m, _ in opt.pairs] == list(model.parameters())
-    assert [s for _, s in opt.pairs] == list(amp.master_params(opt))
-    amp.deinitialize()
-    assert opt.pairs == []
+    # The optimizer wrote the model: no copy. The one-pass step read the half grads itself:
+    # no unscale into master grads, unless clipping asked for them.
+    assert calls == (["multi_tensor_unscale_copy_"] * 3 if clip else [])
+    assert len(opt.seen) == 3
+    for inputs in opt.seen:
+        assert list(inputs.model_params) == masters
+        assert list(inputs.model_params.values()) == list(model.parameters())
+        assert (inputs.grads is None) == clip
 
 
 @pytest.mark.parametrize("first, second", [("O2", "O0"), ("O3", "O0"), ("O0", "O3")])

@@ -19,7 +19,7 @@ from typing import Any
 
 from amp_patch import _logging, session as _session
 from amp_patch.legacy import AmpHandle
-from amp_patch.optim import master_params
+from amp_patch.handle import master_params
 from amp_patch.scaler import LossScaler
 
 __all__ = ["AmpState", "LossScalerView", "OptPropertiesView", "amp_state", "master_params"]

@@ -15,8 +15,8 @@ instead, even when the script catches the error, and the finder records it in
 :attr:`ApexFinder.misses` (``amp-patch run`` prints a summary at the end).
 
 Every module it serves is a package with an empty ``__path__``. That makes
-``from apex.optimizers import FusedLAMB`` ask the finder about
-``apex.optimizers.FusedLAMB`` when the attribute is missing, so the error
+``from apex.normalization import MixedFusedLayerNorm`` ask the finder about
+``apex.normalization.MixedFusedLayerNorm`` when the attribute is missing, so the error
 names the unsupported attribute rather than Python's generic
 "cannot import name".
 
@@ -49,13 +49,16 @@ class _Mapping:
     #: The public names of Apex's module: those the target has are served and form ``__all__``.
     #: Empty: the target's own ``__all__``.
     apex_all: tuple[str, ...] = ()
-    #: Private names served too (not in ``__all__``), each from a ``"module:attribute"``.
+    #: Names served from another module than the target, each from a ``"module:attribute"``:
+    #: private ones, names Apex's module no longer has (neither goes into ``__all__``), and
+    #: names whose served object is not the target's own.
     extras: dict[str, str] = field(default_factory=dict)
 
 
 _AMP_STATE_MODULE = "amp_patch.apex_compat.amp_state"
 _AMP_STATE = {"_amp_state": f"{_AMP_STATE_MODULE}:amp_state"}
 _FP16_UTILS = "amp_patch.apex_compat.fp16_utils"
+_OPTIMIZERS_2019 = "amp_patch.apex_compat.optimizers_2019"
 _FP16UTIL_NAMES = ("BN_convert_float", "network_to_half", "prep_param_lists",
                    "model_grads_to_master_grads", "master_params_to_model_params", "tofp16",
                    "to_python_float", "clip_grad_norm", "convert_module", "convert_network",
@@ -77,10 +80,16 @@ MODULES: dict[str, _Mapping] = {
                                   _AMP_STATE),
     "apex.amp._amp_state": _Mapping(_AMP_STATE_MODULE, "_amp_state (a live view), master_params",
                                     ("master_params",), _AMP_STATE),
+    # FusedAdam tells the 2019 FusedAdam (its keywords) from the current one; FP16_Optimizer is
+    # the 2019 name, which the current apex.optimizers no longer has.
     "apex.optimizers": _Mapping(
-        "amp_patch.apex_compat.optimizers", "FusedAdam, FusedSGD",
+        "amp_patch.optimizers",
+        "FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedSGD, FusedNovoGrad, FusedAdagrad; "
+        "and the 2019 FP16_Optimizer and FusedAdam",
         ("FusedSGD", "FusedAdam", "FusedNovoGrad", "FusedLAMB", "FusedAdagrad",
-         "FusedMixedPrecisionLamb")),
+         "FusedMixedPrecisionLamb"),
+        {"FusedAdam": f"{_OPTIMIZERS_2019}:FusedAdam",
+         "FP16_Optimizer": f"{_OPTIMIZERS_2019}:FP16_Optimizer"}),
     "apex.parallel": _Mapping(
         "amp_patch.apex_compat.parallel",
         "DistributedDataParallel, SyncBatchNorm, convert_syncbn_model, LARC",
@@ -108,12 +117,6 @@ MODULES: dict[str, _Mapping] = {
 
 # What to use instead, for names people are likely to meet.
 _HINTS: dict[str, str] = {
-    "apex.optimizers.FP16_Optimizer": "apex.fp16_utils.FP16_Optimizer (Apex's later spelling), "
-                                      "or amp.initialize(..., opt_level='O2')",
-    "apex.optimizers.FusedLAMB": "a LAMB implementation of your choice (torch.optim has none)",
-    "apex.optimizers.FusedNovoGrad": "a NovoGrad implementation of your choice (torch.optim has "
-                                     "none)",
-    "apex.optimizers.FusedAdagrad": "torch.optim.Adagrad(..., fused=True)",
     "apex.normalization.MixedFusedLayerNorm": "torch.nn.LayerNorm under opt_level='O1'",
     "apex.normalization.MixedFusedRMSNorm": "torch.nn.RMSNorm under opt_level='O1'",
     "apex.parallel.Reducer": "torch.nn.parallel.DistributedDataParallel, or "

@@ -87,6 +87,9 @@ class LMConfig:
             bigram chain; the best reachable loss is about ``log(branching)``.
         fused (bool): build AdamW with ``fused=True`` (torch's one-kernel
             implementation) instead of torch's default for the device.
+        fused_adam (bool): build amp_patch's :class:`~amp_patch.optimizers.FusedAdam`
+            (AdamW mode, the same hyper-parameters) instead of torch's AdamW;
+            under O2 it takes the one-pass step.
     """
 
     vocab: int = 8192
@@ -99,6 +102,7 @@ class LMConfig:
     lr: float = 1e-3
     branching: int = 4
     fused: bool = False
+    fused_adam: bool = False
 
 
 #: The benchmark's default LM (PERFORMANCE.md): about 21 M parameters.
@@ -191,7 +195,8 @@ def lm(
         **overrides: fields of :class:`LMConfig` to replace, e.g. ``d_model=384``.
 
     Returns:
-        Workload: ``(model, optimizer, batch_fn, loss_fn)``; the optimizer is AdamW.
+        Workload: ``(model, optimizer, batch_fn, loss_fn)``; the optimizer is AdamW
+        (torch's, or amp_patch's FusedAdam with ``fused_adam``).
 
     Example::
 
@@ -204,8 +209,17 @@ def lm(
     device = torch.device(device)
     torch.manual_seed(seed)
     model = TransformerLM(cfg).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01,
-                                  fused=True if cfg.fused else None)
+    if cfg.fused and cfg.fused_adam:
+        raise ValueError("LMConfig: choose one of fused (torch's AdamW) and fused_adam "
+                         "(amp_patch's FusedAdam)")
+    if cfg.fused_adam:
+        from amp_patch.optimizers import FusedAdam
+
+        optimizer: torch.optim.Optimizer = FusedAdam(model.parameters(), lr=cfg.lr,
+                                                     weight_decay=0.01)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01,
+                                      fused=True if cfg.fused else None)
     successors = torch.randint(cfg.vocab, (cfg.vocab, cfg.branching), generator=_generator(seed, -1))
 
     def batch_fn(step: int) -> torch.Tensor:

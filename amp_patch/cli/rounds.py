@@ -61,6 +61,9 @@ class JobSpec:
         env (tuple of (str, str or None), optional): environment variables
             set (or, for None, unset) in the level processes at start
             (allocator settings, say). Default: none.
+        level_models (tuple of (str, model), optional): levels that build
+            another ``model`` than the others (the same network with the
+            optimizer that is fastest at that level, say). Default: none.
     """
 
     model: Any
@@ -72,6 +75,7 @@ class JobSpec:
     cycle_batches: int = 0
     report_steps: bool = False
     env: tuple[tuple[str, str | None], ...] = ()
+    level_models: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -183,7 +187,8 @@ def _serve(conn, level: str, spec: JobSpec) -> None:
         device = torch.device(spec.device)
         memory = _Memory(device)  # its CPU baseline is taken before the model exists
         torch.manual_seed(spec.seed)
-        factory = models.resolve(spec.model) if isinstance(spec.model, str) else spec.model
+        model_ref = dict(spec.level_models).get(level, spec.model)
+        factory = models.resolve(model_ref) if isinstance(model_ref, str) else model_ref
         model, optimizer, batch_fn, loss_fn = models.build(factory, device, spec.batch_size,
                                                            spec.seed)
         trainer = LevelTrainer(level, model, optimizer, loss_fn, device,

@@ -23,9 +23,10 @@ logger = logging.getLogger("amp_patch")
 
 DESCRIPTION = """\
 Run a Python script (or module, with -m) as __main__, with an import hook that
-serves `apex` from amp_patch: apex.amp, apex.optimizers (FusedAdam, FusedSGD),
-apex.parallel (DistributedDataParallel), apex.normalization, apex.fp16_utils
-and apex.multi_tensor_apply / amp_C. The script needs no edits. An apex name
+serves `apex` from amp_patch: apex.amp, apex.optimizers (FusedAdam, FusedLAMB,
+FusedMixedPrecisionLamb, FusedSGD, FusedNovoGrad, FusedAdagrad), apex.parallel
+(DistributedDataParallel), apex.normalization, apex.fp16_utils and
+apex.multi_tensor_apply / amp_C. The script needs no edits. An apex name
 amp_patch does not provide fails at import with a message naming it, is logged
 as a warning even if the script catches the error, and is listed at the end.
 

@@ -35,10 +35,10 @@ keeps its current (half) values.
 import torch
 
 from amp_patch.apex_compat.larc import LARC
-from amp_patch.optim.masters import MasterWeights, master_params
+from amp_patch.optim.masters import MasterWeights
 from amp_patch.optim.record import OptimizerRecord, process
 
-__all__ = ["process", "OptimizerRecord", "MasterWeights", "master_params", "OPTIMIZER_TYPES",
+__all__ = ["process", "OptimizerRecord", "MasterWeights", "OPTIMIZER_TYPES",
            "underlying_optimizer"]
 
 #: What :func:`amp_patch.initialize` and :func:`amp_patch.scale_loss` take as an optimizer:

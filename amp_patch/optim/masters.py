@@ -11,7 +11,7 @@ master's grad is unscaled into.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from amp_patch import ops
 from amp_patch.scaler import group_by_device_and_dtype
 
-__all__ = ["MasterWeights", "master_params", "match_state_to_params", "HALF_DTYPES"]
+__all__ = ["MasterWeights", "match_state_to_params", "HALF_DTYPES"]
 
 #: Parameter dtypes that get an fp32 master.
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -239,27 +239,3 @@ def _state_to(value: Any, dtype: torch.dtype, device: torch.device, key: str) ->
     if isinstance(value, Tensor) and key != "step" and value.is_floating_point():
         return value.to(dtype=dtype, device=device)
     return value
-
-
-def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
-    """Iterate over the tensors ``optimizer`` steps: the fp32 masters under O2, else its params.
-
-    Clip gradients on these after :func:`amp_patch.scale_loss` exits: they
-    hold the unscaled gradients.
-
-    Args:
-        optimizer (torch.optim.Optimizer): an optimizer passed to :func:`amp_patch.initialize`
-            (any optimizer works; without amp it yields its params).
-
-    Yields:
-        Tensor: each param of each param group, in order.
-
-    Example::
-
-        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
-        ...     scaled_loss.backward()
-        >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
-        >>> optimizer.step()
-    """
-    for group in optimizer.param_groups:
-        yield from group["params"]

@@ -1,10 +1,28 @@
-"""What amp did to one optimizer, and what ``scale_loss`` does with its grads."""
+"""What amp did to one optimizer, and what ``scale_loss`` does with its grads.
+
+**The one-pass O2 step.** An optimizer that takes step inputs (it has
+``fused_step_inputs``, as :mod:`amp_patch.optimizers` do) is handed, at every
+``step()``, the half model params to write in the same pass as the fp32
+masters (:meth:`OptimizerRecord.step_inputs`). When, at a ``scale_loss`` exit,
+its grads need no accumulating (no master grad yet, nothing stashed), the exit
+does not unscale them at all (:meth:`OptimizerRecord.defer_unscale`): a
+read-only norm of the grads as stored raises the overflow flag, the scaler's
+one host sync decides the skip, and ``step()`` reads the half model grads (and
+the fp32 grads of params stepped directly), still scaled, times the inverse
+scale of that exit. No fp32 master grad is made. Whatever needs the unscaled
+grads before the step, :func:`amp_patch.master_params` (clipping) or a further
+``scale_loss`` entry (accumulation), first runs the unscale the exit left out
+(:meth:`OptimizerRecord.materialize_grads`); the step then reads the masters'
+grads as on the materialized path, to the same bits.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import weakref
-from typing import Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import Tensor
@@ -12,9 +30,36 @@ from torch import Tensor
 from amp_patch.distributed.fsdp import local_tensor
 from amp_patch.optim.checkpoints import install_optimizer_hooks
 from amp_patch.optim.masters import MasterWeights, match_state_to_params
-from amp_patch.optim.stepping import PatchedMethods
+from amp_patch.optim.stepping import STEP_INPUTS, PatchedMethods
+from amp_patch.optimizers import FusedStepInputs
+from amp_patch.scaler import unscale_grads
+
+if TYPE_CHECKING:
+    from amp_patch.scaler import LossScaler, _DeviceTensors
 
 __all__ = ["OptimizerRecord", "process"]
+
+logger = logging.getLogger("amp_patch")
+
+
+@dataclasses.dataclass
+class _DeferredGrads:
+    """Grads a ``scale_loss`` exit left scaled, for the one-pass step to read.
+
+    Attributes:
+        grads (dict): stepped tensor (a master, or a param stepped directly)
+            to its grad as stored (the half model grad, for a master).
+        tensors (dict): device to the exit's ``inv_scale`` (a copy: the
+            scaler's update may change its own) and a flag of its own.
+        norms (dict): device to the L2 norm of ``grads`` there, from the check.
+        versions (list): ``(grad, version)`` at the exit, to notice a grad
+            written before the step.
+    """
+
+    grads: dict[Tensor, Tensor]
+    tensors: dict[torch.device, "_DeviceTensors"]
+    norms: dict[torch.device, Tensor]
+    versions: list[tuple[Tensor, int]]
 
 
 class OptimizerRecord:
@@ -36,6 +81,9 @@ class OptimizerRecord:
             the next ``step()`` does nothing and clears it.
         scaled_grads_pending (bool): a ``delay_unscale=True`` exit left scaled
             grads in the params; the next ``scale_loss`` must not stash them.
+        takes_step_inputs (bool): the optimizer steps the masters through step
+            inputs (``fused_step_inputs``): it writes the model params itself,
+            and takes the one-pass step.
         active (bool): False once :meth:`restore` ran; a wrapper that stayed
             on the optimizer then passes calls straight through.
     """
@@ -49,9 +97,15 @@ class OptimizerRecord:
         self.masters = MasterWeights()
         self.skip_next_step = False
         self.scaled_grads_pending = False
+        self.takes_step_inputs = self.master_weights and callable(
+            getattr(optimizer, STEP_INPUTS, None))
         self.active = True
         # Unscaled grads taken out of params stepped directly at scale_loss entry (id -> grad).
         self._prior: dict[int, Tensor] = {}
+        self._deferred: _DeferredGrads | None = None
+        self._warned_grad_write = False
+        # Grads of params stepped directly that zero_grad left as zeros: id -> (grad, version).
+        self._zeroed: dict[int, tuple[Tensor, int]] = {}
         self._methods = PatchedMethods(self, step_context)
         self._hook_handles: list[Any] = []
 
@@ -99,17 +153,32 @@ class OptimizerRecord:
         grads onto unscaled ones. Params without masters hand their grad to a
         stash; half params with masters drop their (already consumed) model
         grad, the master grad staying as the accumulator. Skipped while
-        ``delay_unscale`` has left scaled grads in place.
+        ``delay_unscale`` has left scaled grads in place. A grad that the
+        optimizer's ``zero_grad`` zeroed and nothing wrote since stays where it
+        is: backward adds onto zeros, and the exit finds a fresh grad (which
+        the one-pass step can take).
         """
+        zeroed, self._zeroed = self._zeroed, {}
         if self.scaled_grads_pending:
             return
         for model_p, stepped in self._pairs():
             if model_p is stepped:
-                if stepped.grad is not None:
-                    self._prior[id(stepped)] = stepped.grad
+                grad = stepped.grad
+                if grad is not None and not _still_zero(zeroed.get(id(stepped)), grad):
+                    self._prior[id(stepped)] = grad
                     stepped.grad = None
             else:
                 model_p.grad = None
+
+    def note_zeroed_grads(self) -> None:
+        """After the optimizer's ``zero_grad``: the grads its params stepped directly still hold
+        are zeros (``set_to_none=False``); remember them, with their version counters, so that
+        :meth:`prepare_backward` need not stash them. Only for optimizers that take step inputs,
+        whose ``zero_grad`` is torch's."""
+        if not self.takes_step_inputs:
+            return
+        self._zeroed = {id(p): (p.grad, p.grad._version) for model_p, p in self._pairs()
+                        if model_p is p and p.grad is not None}
 
     def collect_unscale(self, in_place: list, copy: tuple[list, list],
                         accumulate: tuple[list, list]) -> None:
@@ -145,6 +214,91 @@ class OptimizerRecord:
         prior.clear()
         self.scaled_grads_pending = False
 
+    def defer_unscale(self, scaler: "LossScaler") -> bool:
+        """At ``scale_loss`` exit: leave the fresh grads scaled for the one-pass step, if it can.
+
+        It applies when the optimizer takes step inputs and nothing is to be
+        accumulated (no master grad, nothing stashed at entry). The grads are
+        then only read, by the scaler's check, which raises the overflow flag;
+        they stay as they are, in the params, until ``step()``.
+
+        Args:
+            scaler (LossScaler): the exit's scaler; its inverse scale is kept.
+
+        Returns:
+            bool: True when deferred; False leaves them to :meth:`collect_unscale`.
+        """
+        if not self.takes_step_inputs or self._prior or any(
+                m.grad is not None for _, m in self.master_pairs()):
+            return False
+        grads = {}
+        for model_p, stepped in self._pairs():
+            if model_p.grad is not None:
+                grads[stepped] = model_p.grad
+        norms = scaler.check(list(grads.values()))
+        self._deferred = _DeferredGrads(grads, {dev: scaler.snapshot(dev) for dev in norms}, norms,
+                                        [(g, g._version) for g in grads.values()])
+        self.scaled_grads_pending = False
+        return True
+
+    def materialize_grads(self) -> None:
+        """Run the unscale that :meth:`defer_unscale` left out: half grads into the masters' fp32
+        grads, grads of params stepped directly in place, by the exit's inverse scale.
+
+        Called before anything that needs the unscaled grads: :func:`amp_patch.master_params`
+        (clipping) and the next ``scale_loss`` entry (accumulating). Nothing to do otherwise.
+        The overflow was decided at the exit: these passes raise a flag of their own.
+        """
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        in_place: list[Tensor] = []
+        copy: tuple[list[Tensor], list[Tensor]] = ([], [])
+        for model_p, stepped in self._pairs():
+            grad = deferred.grads.get(stepped)
+            if grad is None:
+                continue
+            if model_p is stepped:
+                in_place.append(grad)
+            else:
+                stepped.grad = self.masters.grad_storage(stepped)
+                copy[0].append(grad)
+                copy[1].append(stepped.grad)
+        unscale_grads(in_place, copy, deferred.tensors.__getitem__)
+
+    def drop_deferred(self) -> None:
+        """Forget deferred grads whose step was skipped (an overflow)."""
+        self._deferred = None
+
+    def step_inputs(self) -> FusedStepInputs | None:
+        """What ``step()`` of an optimizer that takes step inputs reads, and writes besides params.
+
+        The half model params, written in the same pass as their masters; with
+        deferred grads, also those grads, the exit's inverse scale and the
+        check's norms. None for other optimizers.
+        """
+        if not self.takes_step_inputs:
+            return None
+        model_params = {master: model_p for model_p, master in self.master_pairs()}
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return FusedStepInputs(model_params=model_params)
+        self._warn_if_grads_written(deferred)
+        first = next(iter(deferred.tensors.values()), None)
+        return FusedStepInputs(grads=deferred.grads, model_params=model_params,
+                               inv_scale=None if first is None else first.inv_scale,
+                               grad_norms=deferred.norms)
+
+    def _warn_if_grads_written(self, deferred: _DeferredGrads) -> None:
+        if self._warned_grad_write or all(g._version == v for g, v in deferred.versions):
+            return
+        self._warned_grad_write = True
+        logger.warning(
+            "amp_patch: the model's grads were written between scale_loss and %s.step(). "
+            "Under O2 with a fused optimizer, step() reads them as they are (scaled by the loss "
+            "scale); to clip, clip amp.master_params(optimizer), which holds the unscaled fp32 "
+            "grads.", type(self.optimizer).__name__)
+
     def abandon_backward(self) -> None:
         """An exception left ``scale_loss`` after :meth:`prepare_backward`: drop the partial,
         still scaled grads and put the stashed unscaled ones back (None where there were none),
@@ -158,8 +312,10 @@ class OptimizerRecord:
         self._prior.clear()
 
     def forget_stashed_grads(self) -> None:
-        """Drop the grads :meth:`prepare_backward` took aside (``zero_grad`` inside the block)."""
+        """Drop the grads :meth:`prepare_backward` took aside (``zero_grad`` inside the block),
+        and any deferred ones."""
         self._prior.clear()
+        self._deferred = None
 
     def nonfinite_grad_names(self, names: dict[int, str]) -> list[str]:
         """Names of params whose (model) grads hold inf/NaN; syncs, for error messages only."""
@@ -222,6 +378,12 @@ class OptimizerRecord:
         self._hook_handles.clear()
         self._methods.restore()
         self._prior.clear()
+        self._deferred = None
+
+
+def _still_zero(zeroed: tuple[Tensor, int] | None, grad: Tensor) -> bool:
+    """Whether ``grad`` is the very tensor ``zero_grad`` zeroed, unwritten since."""
+    return zeroed is not None and zeroed[0] is grad and zeroed[1] == grad._version
 
 
 def process(optimizer: torch.optim.Optimizer, master_weights: bool,

@@ -29,13 +29,14 @@ from amp_patch.apex_compat.larc import LARC
 if TYPE_CHECKING:
     from amp_patch.optim.record import OptimizerRecord
 
-__all__ = ["PatchedMethods", "ATTACH_MASTERS"]
+__all__ = ["PatchedMethods", "STEP_INPUTS"]
 
 logger = logging.getLogger("amp_patch")
 
-#: Name of the optional optimizer method that takes the ``(model param, master)`` pairs
-#: and returns True when its ``step()`` writes the model params itself (a fused O2 step).
-ATTACH_MASTERS = "amp_attach_masters"
+#: Name of the optional optimizer method ``fused_step_inputs(inputs)``, a context manager
+#: whose ``step()`` calls read their grads and model copies from a
+#: :class:`amp_patch.optimizers.FusedStepInputs` (amp_patch's fused optimizers have it).
+STEP_INPUTS = "fused_step_inputs"
 
 _MISSING = object()
 _POSITIONS = {"closure": 0, "set_to_none": 0, "param_group": 0}
@@ -50,19 +51,18 @@ class PatchedMethods:
             (O1's casts are disabled there).
 
     .. note::
-        An optimizer that steps the masters and writes the model in one pass
-        defines ``amp_attach_masters(pairs) -> bool``. It is called with the
-        ``(model param, master)`` pairs whenever they change (initialize,
-        ``add_param_group``) and with ``[]`` at deinitialize; when it returns
-        True, amp leaves the master-to-model copy to that optimizer's ``step()``.
-        The masters' ``.grad`` hold the unscaled fp32 grads when ``step()`` runs.
+        An optimizer with a ``fused_step_inputs(inputs)`` context manager (see
+        :class:`amp_patch.optimizers.FusedStepInputs`) steps the masters and
+        writes the model params in one pass: each ``step()`` runs inside that
+        context, with the inputs of :meth:`OptimizerRecord.step_inputs`, and
+        amp makes no master-to-model copy. Its grads may be the half model
+        grads, still scaled (the one-pass O2 step).
     """
 
     def __init__(self, record: "OptimizerRecord", step_context: Callable[[], ContextManager]) -> None:
         self._record = record
         self._step_context = step_context
         self._saved: dict[str, Any] = {}
-        self._optimizer_writes_model = False
 
     # ------------------------------------------------------------ installing
 
@@ -71,25 +71,14 @@ class PatchedMethods:
         self._patch("step", self._step)
         self._patch("zero_grad", self._zero_grad)
         self._patch("add_param_group", self._add_param_group)
-        self.attach_masters()
 
     def restore(self) -> None:
-        """Put the original methods back, last in first out; tell a fused optimizer the masters left."""
+        """Put the original methods back, last in first out."""
         opt = self._record.optimizer_or_none()
         if opt is None:
             return
-        attach = getattr(opt, ATTACH_MASTERS, None)
-        if attach is not None and self._optimizer_writes_model:
-            attach([])
         for name in ("add_param_group", "zero_grad", "step"):
             self._unpatch(opt, name)
-
-    def attach_masters(self) -> None:
-        """Hand the current ``(model param, master)`` pairs to an optimizer that takes them."""
-        record = self._record
-        attach = getattr(record.optimizer, ATTACH_MASTERS, None)
-        if attach is not None and len(record.masters):
-            self._optimizer_writes_model = bool(attach(record.master_pairs()))
 
     def _patch(self, name: str, wrapper: Callable) -> None:
         opt = self._record.optimizer
@@ -141,20 +130,25 @@ class PatchedMethods:
             if isinstance(opt, LARC):
                 opt.optim._opt_called = True
             masters.release_grads()
+            record.drop_deferred()
             return None
         if record.master_weights and _call_arg(instance, args, kwargs, "closure") is not None:
             raise RuntimeError(
                 "optimizer.step(closure) is not supported with master weights: the closure's "
                 "backward would not reach the fp32 masters. Call scale_loss and step() directly."
             )
+        inputs = record.step_inputs()
         with self._step_context():
-            out = wrapped(*args, **kwargs)
-        if len(masters):
-            stepped = list(record.stepped_params())
-            if self._optimizer_writes_model:
-                masters.mark_written(m for m, _ in masters.pairs(stepped))
+            if inputs is None:
+                out = wrapped(*args, **kwargs)
             else:
-                masters.copy_to_model(stepped)
+                with getattr(opt, STEP_INPUTS)(inputs):
+                    out = wrapped(*args, **kwargs)
+        if len(masters):
+            if inputs is None:
+                masters.copy_to_model(record.stepped_params())
+            else:
+                masters.mark_written(inputs.model_params.values())
             masters.release_grads()
         return out
 
@@ -176,6 +170,7 @@ class PatchedMethods:
                     model_p.grad.requires_grad_(False)
                 model_p.grad.zero_()
         record.forget_stashed_grads()
+        record.note_zeroed_grads()
         return out
 
     def _add_param_group(self, wrapped, instance, args, kwargs):
@@ -196,7 +191,6 @@ class PatchedMethods:
         if record.master_weights:
             opt = record.optimizer
             record.masters.attach(opt.param_groups[-1], opt.state)
-            self.attach_masters()
         return out
 
 

@@ -7,10 +7,11 @@ op call per batch. The op reads every grad, param and state tensor once and
 writes each once.
 
 Where a step reads its grads and what it writes besides the params can be
-redirected with :class:`FusedStepInputs`: that is the seam for amp's one-pass
-O2 step, in which the optimizer steps fp32 masters from the half model grads
-(times the inverse loss scale) and writes the half model params in the same
-pass, skipping everything when the overflow flag is set.
+redirected with :class:`FusedStepInputs`. That is the one seam between these
+optimizers and amp's O2 (:mod:`amp_patch.optim` hands the inputs to any
+optimizer that has ``fused_step_inputs``): every step writes the half model
+params in the same pass as the fp32 masters, and the one-pass step also
+reads the half model grads, still scaled, times the inverse loss scale.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor
+
+from amp_patch import ops
 
 logger = logging.getLogger("amp_patch")
 
@@ -47,6 +50,11 @@ class FusedStepInputs:
             multiplied by it.
         found_inf (Tensor, optional): one-element fp32 flag; when non-zero the
             step changes nothing at all (params, state, model copies).
+        grad_norms (Mapping, optional): device -> the L2 norm (0-dim fp32) of
+            all the grads this step reads on that device, as stored (before
+            ``inv_scale``), summed in ``param_groups`` order. An optimizer that
+            needs the global grad norm (LAMB's clipping) uses it instead of
+            reading the grads once more.
 
     Example::
 
@@ -60,6 +68,7 @@ class FusedStepInputs:
     model_params: Mapping[Tensor, Tensor] | None = None
     inv_scale: Tensor | None = None
     found_inf: Tensor | None = None
+    grad_norms: Mapping[torch.device, Tensor] | None = None
 
 
 @dataclasses.dataclass
@@ -265,6 +274,32 @@ class FusedOptimizer(torch.optim.Optimizer):
             if out is not None:
                 batch.model_params.append(out)
         return list(batches.values())
+
+    def _grad_norms(self, groups: list[dict[str, Any]] | None = None) -> dict[torch.device, Tensor]:
+        """The L2 norm of every grad of this step's ``groups`` (default: all), per device of the
+        params (global across devices when there are several).
+
+        For all groups it comes from the step inputs' ``grad_norms`` when they have it, else
+        from one :func:`amp_patch.ops.multi_tensor_l2norm` per device over the grads in
+        ``param_groups`` order. The grads are as stored: ``inv_scale`` is applied by the
+        kernel that uses the norm.
+        """
+        given = self._inputs.grad_norms if self._inputs is not None and groups is None else None
+        if given is not None:
+            norms = dict(given)
+        else:
+            per_device: dict[torch.device, list[Tensor]] = {}
+            for group in self.param_groups if groups is None else groups:
+                for p in group["params"]:
+                    grad = self._grad_of(p)
+                    if grad is not None:
+                        per_device.setdefault(p.device, []).append(grad)
+            norms = {dev: ops.multi_tensor_l2norm(grads)[0] for dev, grads in per_device.items()}
+        if len(norms) > 1:
+            first = next(iter(norms))
+            total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms.values()]))
+            norms = {dev: total.to(dev) for dev in norms}
+        return norms
 
     def _state_tensor(self, p: Tensor, key: str, dtype: torch.dtype | None = None) -> Tensor:
         """``state[p][key]``, made as zeros like the stepped tensor (in ``dtype``) on first use."""

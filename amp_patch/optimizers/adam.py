@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from amp_patch import ops
-from amp_patch.optimizers._base import FusedOptimizer
+from amp_patch.optimizers._base import FusedOptimizer, _on
 
 __all__ = ["FusedAdam"]
 
@@ -127,17 +127,28 @@ class FusedAdam(FusedOptimizer):
             if not group["params"]:
                 continue
             step = self._next_step(group)
-            beta1, beta2 = group["betas"]
-            for b in self._batches(group):
-                ops.multi_tensor_adam_(
-                    b.grads, b.params,
-                    [self._state_tensor(p, "exp_avg", torch.float32) for p in b.keys],
-                    [self._state_tensor(p, "exp_avg_sq", torch.float32) for p in b.keys],
-                    b.model_params, b.noop, b.inv_scale,
-                    lr=self._scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=step,
-                    adam_w_mode=bool(self.adam_w_mode),
-                    bias_correction=bool(group["bias_correction"]))
+            self._adam_group(group, step, lr=self._scalar(group["lr"]), eps=group["eps"],
+                             weight_decay=group["weight_decay"],
+                             bias_correction=bool(group["bias_correction"]))
+
+    def _adam_group(self, group: dict[str, Any], step: int, *, lr: float, eps: float,
+                    weight_decay: float, bias_correction: bool,
+                    inv_scale: torch.Tensor | None = None) -> None:
+        """The op calls of one group's step, one per batch, with these hyper-parameters.
+
+        ``inv_scale``, when given, replaces the step inputs' own (a clipping
+        factor folded in, say).
+        """
+        beta1, beta2 = group["betas"]
+        for b in self._batches(group):
+            inv = b.inv_scale if inv_scale is None else _on(inv_scale, b.device)
+            ops.multi_tensor_adam_(
+                b.grads, b.params,
+                [self._state_tensor(p, "exp_avg", torch.float32) for p in b.keys],
+                [self._state_tensor(p, "exp_avg_sq", torch.float32) for p in b.keys],
+                b.model_params, b.noop, inv,
+                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                adam_w_mode=bool(self.adam_w_mode), bias_correction=bias_correction)
 
 
 def _tensors_to_device(group: dict[str, Any]) -> None:

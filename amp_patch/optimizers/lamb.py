@@ -12,7 +12,8 @@ ratio ``||p|| / ||u||``. That ratio needs the norm of the whole tensor's update
    stored moments and applies ``p -= lr * ratio * u``.
 
 Before them, one :func:`amp_patch.ops.multi_tensor_l2norm` over every grad of
-the optimizer gives the global norm for clipping (``max_grad_norm``).
+the optimizer gives the global norm for clipping (``max_grad_norm``); in amp's
+one-pass O2 step it comes with the step inputs, from the overflow check.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.optimizers._base import FusedOptimizer, _Batch
+from amp_patch.optimizers._base import FusedOptimizer
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
 
@@ -36,12 +37,13 @@ class _LambBase(FusedOptimizer):
 
     def _fused_step(self) -> None:
         batches = [self._batches(group) for group in self.param_groups]
-        norms = _global_grad_norms([b for group_batches in batches for b in group_batches])
+        norms = self._grad_norms()
         max_grad_norm = self._scalar(self.defaults["max_grad_norm"] or 0.0)
         for group, group_batches in zip(self.param_groups, batches):
             if not group["params"]:
                 continue
             step = self._next_step(group)
+            lr = self._scalar(group["lr"])  # a host read when it is a tensor: once per group
             beta1, beta2 = group["betas"]
             hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"], step=step,
@@ -56,20 +58,7 @@ class _LambBase(FusedOptimizer):
                     **hyper)
                 ops.multi_tensor_lamb_stage2_(
                     b.params, m, v, param_norms, update_norms, b.model_params, b.noop,
-                    lr=self._scalar(group["lr"]), **hyper)
-
-
-def _global_grad_norms(batches: list[_Batch]) -> dict[torch.device, Tensor]:
-    """The L2 norm of every grad of the step, as a tensor on each device that has grads."""
-    per_device: dict[torch.device, list[Tensor]] = {}
-    for b in batches:
-        per_device.setdefault(b.device, []).extend(b.grads)
-    norms = {dev: ops.multi_tensor_l2norm(grads)[0] for dev, grads in per_device.items()}
-    if len(norms) > 1:
-        first = next(iter(norms))
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms.values()]))
-        norms = {dev: total.to(dev) for dev in norms}
-    return norms
+                    lr=lr, **hyper)
 
 
 class FusedLAMB(_LambBase):

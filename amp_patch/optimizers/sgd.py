@@ -39,8 +39,10 @@ class FusedSGD(FusedOptimizer):
         nesterov (bool, optional): Default: False.
         wd_after_momentum (bool, optional): add the weight decay after the
             momentum update rather than before. Default: False.
-        materialize_master_grads (bool, optional): accepted for Apex's amp; amp_patch's
-            O2 always gives the masters fp32 grads, so it changes nothing. Default: True.
+        materialize_master_grads (bool, optional): accepted for Apex's amp, and ignored:
+            under O2, amp_patch makes fp32 master grads only when something asks for them
+            (:func:`amp_patch.master_params`, for clipping), and steps from the half grads
+            otherwise. Default: True.
         set_grad_none (bool, optional): :meth:`zero_grad` sets grads to None.
             Default: False, as in Apex.
 
