@@ -239,6 +239,29 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     session = _session.require("amp_patch.load_state_dict()")
     if not session.props.enabled:
         return
+    expected = check_scaler_states(session, state)
+    for key, scaler in zip(expected, session.scalers):
+        scaler.load_state_dict(state[key])
+
+
+def check_scaler_states(session: _session.AmpSession, state: Any) -> list[str]:
+    """Check the amp state for :func:`load_state_dict` without loading it.
+
+    Args:
+        session (AmpSession): the live session, whose loss scalers would load ``state``.
+        state (dict): as :func:`state_dict` returned it.
+
+    Returns:
+        list: the keys of ``state`` that its scalers load, in their order.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`load_state_dict`.
+
+    Example::
+
+        >>> check_scaler_states(session, {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
+        ['loss_scaler0']
+    """
     n = len(session.scalers)
     expected = [f"loss_scaler{i}" for i in range(n)]
     form = ("the dict that amp_patch.state_dict() returns, {'loss_scaler0': {'loss_scale': "
@@ -257,8 +280,7 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
         )
     for key, scaler in zip(expected, session.scalers):
         scaler.check_state_dict(state[key])
-    for key, scaler in zip(expected, session.scalers):
-        scaler.load_state_dict(state[key])
+    return expected
 
 
 def _as_list(value: Any, kinds: tuple[type, ...], name: str) -> tuple[list, bool]:

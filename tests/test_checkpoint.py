@@ -80,3 +80,73 @@ def test_resume_in_fresh_process_is_bit_exact(level, tmp_path):
     if level == "O2":
         masters = a["optimizer"]["amp_master_params"]
         assert masters and all(t.dtype == torch.float32 for t in masters.values())
+
+
+def _o2_run(seed: int, steps: int):
+    import amp_patch as amp
+    from training_utils import mlp, train
+
+    model = mlp(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    train(model, opt, steps)
+    return model, opt
+
+
+def _bits(model, opt) -> list:
+    """Clones of the model's params, the masters, and the optimizer's whole state dict."""
+    import copy
+
+    import amp_patch as amp
+
+    out = [p.detach().clone() for p in model.parameters()]
+    out += [m.detach().clone() for m in amp.master_params(opt)]
+    return out + flat(copy.deepcopy(opt.state_dict()))
+
+
+def _bad_masters(kind: str, sd: dict) -> str:
+    """Spoil ``sd``'s masters (or its groups) in place; returns what the error must say."""
+    if kind in ("groups", "groups-no-masters"):
+        sd["param_groups"][0]["params"].append(99)  # torch's own check fails after amp's hook
+        return "size of optimizer's group"
+    masters = sd["amp_master_params"]
+    last = max(masters)
+    if kind == "shape":
+        masters[last] = torch.zeros(2, 2)
+        return r"master weight 3 .*shape \(2, 2\).*expected .*shape \(4,\)"
+    if kind == "dtype":
+        masters[last] = masters[last].bfloat16()
+        return r"master weight 3 .*torch.bfloat16.*expected torch.float32"
+    if kind == "missing":
+        del masters[last]
+        return r"fp32 masters for parameters \[0, 1, 2\]; expected \[0, 1, 2, 3\]"
+    masters[last + 1] = torch.zeros(3)
+    return r"fp32 masters for parameters \[0, 1, 2, 3, 4\]; expected \[0, 1, 2, 3\]"
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "missing", "extra", "groups",
+                                  "groups-no-masters"])
+def test_failed_load_changes_nothing(kind):
+    """Everything is checked before anything is copied: a bad checkpoint leaves the masters,
+    the model and the optimizer state exactly as they were."""
+    import copy
+
+    import amp_patch as amp
+
+    _, source_opt = _o2_run(1, 3)
+    sd = copy.deepcopy(source_opt.state_dict())
+    amp.deinitialize()
+    model, opt = _o2_run(0, 2)
+    if kind == "groups-no-masters":
+        del sd["amp_master_params"]  # the masters would restart from the (half) model
+    before = _bits(model, opt)
+    message = _bad_masters(kind, sd)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    after = _bits(model, opt)
+    assert len(before) == len(after)
+    for x, y in zip(before, after):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            assert x == y
