@@ -134,13 +134,18 @@ def initialize(
         max_consecutive_skips=max_consecutive_skips,
         cpu_half_compute=cpu_half_compute,
     )
-    _logging.configure(props.verbosity)
-    if props.enabled:
-        _check_params_belong(model_list, opt_list, props)
-        _check_no_float64_params(model_list, props)
-
-    session = _session.AmpSession(props, model_list, opt_list)
-    _session.activate(session)
+    restore_logging = _logging.configure(props.verbosity)
+    try:
+        if props.enabled:
+            _check_params_belong(model_list, opt_list, props)
+            _check_no_float64_params(model_list, props)
+        session = _session.AmpSession(props, model_list, opt_list)
+        _session.activate(session)
+    except BaseException:
+        restore_logging()
+        raise
+    # Registered first, so undone last: the other undos still log at this session's level.
+    session.on_close("the amp_patch logger's level and handler", restore_logging)
     if props.enabled:
         try:
             _build(session)
