@@ -38,6 +38,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from amp_patch import session as _session
+from amp_patch.patching.patcher import Patcher
+
 __all__ = [
     "MODES",
     "ENV_VAR",
@@ -525,8 +528,6 @@ def current_plan() -> CpuHalfPlan | None:
         >>> amp_patch.cpu_half.current_plan().mode
         'native'
     """
-    from amp_patch import session as _session
-
     live = _session.current()
     return None if live is None else live.cpu_half
 
@@ -713,8 +714,6 @@ def install(session) -> CpuHalfPlan | None:
         >>> install(session).mode
         'emulate'
     """
-    from amp_patch.patching.patcher import Patcher
-
     if not (session.props.enabled and _on_cpu(session.models)):
         return None
     _log_once(cpu_half_support())

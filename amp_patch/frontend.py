@@ -9,8 +9,19 @@ from typing import Any, Sequence, TypeVar
 import torch
 from torch import nn
 
-from amp_patch import _logging, session as _session
+from amp_patch import (
+    _logging,
+    cpu_half as _cpu_half,
+    model as _model,
+    optim as _optim,
+    session as _session,
+)
+from amp_patch.distributed import fsdp as _fsdp
+from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
+from amp_patch.patching import install as _install_patches
+from amp_patch.patching.state import disable_casts
 from amp_patch.properties import Properties
+from amp_patch.scaler import LossScaler
 
 __all__ = ["initialize", "deinitialize", "state_dict", "load_state_dict"]
 
@@ -107,8 +118,6 @@ def initialize(
         ...     scaled_loss.backward()
         >>> optimizer.step()
     """
-    from amp_patch.optim import OPTIMIZER_TYPES
-
     model_list, models_listed = _as_list(models, (nn.Module,), "models")
     if optimizers is None:
         opt_list, opts_listed = [], False
@@ -164,13 +173,6 @@ def initialize(
 
 
 def _build(session: _session.AmpSession) -> None:
-    # Imported here: these modules import torch-heavy pieces that need ops registered first.
-    from amp_patch import cpu_half as _cpu_half, model as _model, optim as _optim
-    from amp_patch.distributed import fsdp as _fsdp
-    from amp_patch.patching import install as _install_patches
-    from amp_patch.patching.state import disable_casts
-    from amp_patch.scaler import LossScaler
-
     props = session.props
     session.sharding = _fsdp.prepare(session)  # before the cast: it says what FSDP casts itself
     _model.prepare(session)
@@ -321,8 +323,6 @@ def _check_models(models: Sequence[nn.Module]) -> None:
 
 
 def _check_optimizers(optimizers: Sequence[Any]) -> None:
-    from amp_patch.optim import underlying_optimizer
-
     seen: set[int] = set()
     for opt in optimizers:
         inner = underlying_optimizer(opt)  # a LARC and the optimizer it wraps are one
@@ -337,8 +337,6 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
                          props: Properties) -> None:
     """Optimizer params outside every model: an error where the models are cast (O2/O3: the
     optimizer would step tensors the cast models no longer use), else a warning."""
-    from amp_patch.optim import underlying_optimizer
-
     owned = {id(p) for m in models for p in m.parameters()}
     foreign = [f"{type(opt).__name__} param_groups[{gi}]['params'][{pi}] "
                f"(shape {tuple(p.shape)}, {p.dtype})"
@@ -347,13 +345,11 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
                for pi, p in enumerate(group["params"]) if id(p) not in owned]
     if not foreign:
         return
-    from amp_patch.distributed.fsdp import SUPPORTED_ORDER, fsdp_states
-
-    if fsdp_states(models):
+    if _fsdp.fsdp_states(models):
         raise ValueError(
             f"{len(foreign)} parameters of the optimizers belong to none of the models passed to "
             f"amp_patch.initialize(), which are sharded with fully_shard: an optimizer built "
-            f"before fully_shard holds the unsharded parameters. Call {SUPPORTED_ORDER}.")
+            f"before fully_shard holds the unsharded parameters. Call {_fsdp.SUPPORTED_ORDER}.")
     n = len(foreign)
     shown = ", ".join(foreign[:5]) + (f", and {n - 5} more" if n > 5 else "")
     what = (f"{n} parameter{'s' if n > 1 else ''} of the optimizers belong{'s' if n == 1 else ''} "
@@ -370,9 +366,7 @@ def _check_no_float64_params(models: Sequence[nn.Module], props: Properties) -> 
     forward with a dtype mismatch, so say it here, by name."""
     if props.cast_model_type not in (torch.float16, torch.bfloat16):
         return
-    from amp_patch.model import named_parameters
-
-    doubles = [name for name, p in named_parameters(list(models)) if p.dtype == torch.float64]
+    doubles = [name for name, p in _model.named_parameters(list(models)) if p.dtype == torch.float64]
     if doubles:
         raise ValueError(
             f"{props.opt_level} casts the model to {props.cast_model_type}, but amp leaves float64 "

@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from amp_patch import _logging, session as _session
+from amp_patch import _logging, cpu_half, session as _session
+from amp_patch.patching import install
 from amp_patch.properties import Properties
 
 __all__ = ["init", "AmpHandle"]
@@ -86,9 +87,6 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     """
     if not enabled:
         return AmpHandle(None)
-    from amp_patch import cpu_half
-    from amp_patch.patching import install
-
     half = half_dtype or (torch.float16 if torch.cuda.is_available() else torch.bfloat16)
     props = Properties.from_opt_level("O1", half, loss_scale=loss_scale,
                                       verbosity=2 if verbose else 1)

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+import amp_patch
+from amp_patch.cpu_half import cpu_half_support
 from amp_patch.patching.patcher import Patcher
 
 __all__ = ["CudaOnCpu", "CudaNotMappedError", "CpuStream", "CpuEvent", "MAPPED"]
@@ -397,8 +399,6 @@ class CudaOnCpu:
     def _patch_torch_cuda(self) -> None:
         cuda, rng = torch.cuda, torch.random
         get_state, set_state, initial_seed = rng.get_rng_state, rng.set_rng_state, rng.initial_seed
-        from amp_patch import cpu_half_support
-
         name = f"CPU ({cpu_half_support().cpu}) under amp-patch run --device cpu"
 
         def set_device(device: Any) -> None:
@@ -543,8 +543,6 @@ class CudaOnCpu:
             self._patch(torch.distributed, "init_process_group", _map_init_process_group)
 
     def _patch_amp_patch(self) -> None:
-        import amp_patch
-
         half = self.half_dtype
 
         def initialize(original: Callable[..., Any]) -> Callable[..., Any]:

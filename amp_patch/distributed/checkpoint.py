@@ -36,6 +36,8 @@ from torch import nn
 
 from amp_patch import session as _session
 from amp_patch.frontend import check_scaler_states, load_state_dict, state_dict
+from amp_patch.model import named_parameters
+from amp_patch.optim import underlying_optimizer
 from amp_patch.optim.checkpoints import MASTERS_KEY
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -245,7 +247,7 @@ def _training_state(model, optimizer, extra, rng_rank: int | None) -> dict[str, 
 
 def _optimizer_state(optimizer, names: dict[int, str], session) -> dict[str, Any]:
     """The optimizer's state dict keyed by parameter name (the model parameter behind a master)."""
-    opt = _inner(optimizer)
+    opt = underlying_optimizer(optimizer)
     _materialize_state(opt, session)
     sd = opt.state_dict()
     flat = _stepped_names(opt, names, session)
@@ -267,7 +269,7 @@ def _checked_groups(optimizer, saved_groups, names: dict[int, str], session) -> 
         ValueError: the groups are not as many as this optimizer's, or one
             steps other parameters.
     """
-    opt = _inner(optimizer)
+    opt = underlying_optimizer(optimizer)
     flat = _stepped_names(opt, names, session)
     groups = list(saved_groups)
     if len(groups) != len(opt.param_groups):
@@ -289,7 +291,7 @@ def _checked_groups(optimizer, saved_groups, names: dict[int, str], session) -> 
 
 def _load_optimizer(optimizer, saved: dict[str, Any], groups: list[dict],
                     names: dict[int, str], session) -> None:
-    opt = _inner(optimizer)
+    opt = underlying_optimizer(optimizer)
     index = {name: i for i, name in enumerate(_stepped_names(opt, names, session))}
     sd: dict[str, Any] = {"state": {index[n]: v for n, v in saved["state"].items()},
                           "param_groups": groups}
@@ -374,8 +376,6 @@ def _rank(process_group) -> int:
 
 
 def _names(models: list[nn.Module]) -> dict[int, str]:
-    from amp_patch.model import named_parameters
-
     return {id(p): name for name, p in named_parameters([_unwrap(m) for m in models])}
 
 
@@ -389,12 +389,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def _inner(optimizer):
-    from amp_patch.optim import underlying_optimizer
-
-    return underlying_optimizer(optimizer)
 
 
 def _as_list(value) -> list:

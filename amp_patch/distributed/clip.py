@@ -10,6 +10,8 @@ from torch import Tensor
 
 from amp_patch import ops, session as _session
 from amp_patch.distributed.fsdp import local_tensor
+from amp_patch.handle import master_params
+from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.scaler import group_by_device_and_dtype
 
 __all__ = ["clip_grad_norm_"]
@@ -89,8 +91,6 @@ def clip_grad_norm_(optimizer_or_params, max_norm: float, norm_type: float = 2.0
 
 
 def _tensors(optimizer_or_params) -> list[Tensor]:
-    from amp_patch.optim import OPTIMIZER_TYPES, master_params, underlying_optimizer
-
     if isinstance(optimizer_or_params, OPTIMIZER_TYPES):
         return list(master_params(underlying_optimizer(optimizer_or_params)))
     if isinstance(optimizer_or_params, Tensor):

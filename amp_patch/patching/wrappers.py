@@ -72,7 +72,7 @@ _compiling = torch.compiler.is_compiling
 def _native_type():
     if not _ops.native_extension_loaded():
         return None
-    from amp_patch import _C
+    from amp_patch import _C  # not at the top: the compiled extension is optional
     return getattr(_C, "CastWrapper", None)
 
 
