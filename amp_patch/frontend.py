@@ -17,6 +17,7 @@ from amp_patch import (
     session as _session,
 )
 from amp_patch.distributed import fsdp as _fsdp
+from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.patching import install as _install_patches
 from amp_patch.patching.state import disable_casts
@@ -364,7 +365,7 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
 def _check_no_float64_params(models: Sequence[nn.Module], props: Properties) -> None:
     """amp casts fp16/bf16/fp32 only; a float64 param left in a half model fails at the first
     forward with a dtype mismatch, so say it here, by name."""
-    if props.cast_model_type not in (torch.float16, torch.bfloat16):
+    if props.cast_model_type not in HALF_DTYPES:
         return
     doubles = [name for name, p in _model.named_parameters(list(models)) if p.dtype == torch.float64]
     if doubles:
@@ -383,7 +384,7 @@ def _floating_tensors(model: nn.Module):
 
 def _default_half_dtype(models: Sequence[nn.Module], cast_model_type: Any) -> torch.dtype:
     # An explicit half cast_model_type says what "half" means (and so the default loss scale).
-    if cast_model_type in (torch.float16, torch.bfloat16):
+    if isinstance(cast_model_type, torch.dtype) and cast_model_type in HALF_DTYPES:
         return cast_model_type
     on_cuda = any(t.is_cuda for m in models for t in _floating_tensors(m))
     return torch.float16 if on_cuda else torch.bfloat16

@@ -29,14 +29,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from amp_patch.dtypes import CASTABLE_DTYPES, HALF_DTYPES
 from amp_patch.session import AmpSession
 
 __all__ = ["prepare", "cast_module", "cast_own_tensors", "cast_floating", "named_parameters",
-           "kept_fp32", "CASTABLE_DTYPES"]
-
-#: The floating dtypes amp converts; float64 is left as the caller made it.
-CASTABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
+           "kept_fp32"]
 
 
 def prepare(session: AmpSession) -> None:
@@ -92,7 +89,7 @@ def prepare(session: AmpSession) -> None:
             model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
             keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
             cast_module(model, model_dtype, keep_bn, originals=originals, leave=leave)
-            if model_dtype in _HALF_DTYPES:
+            if model_dtype in HALF_DTYPES:
                 handles += _register_fp32_state_dict(model, session)
 
             def cast_inputs(module, args, kwargs, _dtype=model_dtype):
@@ -161,7 +158,8 @@ def cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
         dtype (torch.dtype): the target dtype.
         keep_batchnorm_fp32 (bool): leave affine batch norms as they are.
         castable (container of torch.dtype, optional): the dtypes that are
-            cast; None for every floating dtype. Default: :data:`CASTABLE_DTYPES`.
+            cast; None for every floating dtype. Default:
+            :data:`amp_patch.dtypes.CASTABLE_DTYPES`.
         originals (list, optional): receives what each cast tensor held
             before, to put it back exactly. Default: None (not kept).
         leave (frozenset, optional): ``id()`` of params that keep their dtype.
@@ -191,7 +189,8 @@ def cast_own_tensors(module: nn.Module, dtype: torch.dtype, *,
         module (torch.nn.Module): the module.
         dtype (torch.dtype): the target dtype.
         castable (container of torch.dtype, optional): the dtypes that are
-            cast; None for every floating dtype. Default: :data:`CASTABLE_DTYPES`.
+            cast; None for every floating dtype. Default:
+            :data:`amp_patch.dtypes.CASTABLE_DTYPES`.
         originals (list, optional): receives what each cast tensor held
             before, to put it back exactly. Default: None (not kept).
         leave (frozenset, optional): ``id()`` of params that keep their dtype.
@@ -268,7 +267,7 @@ def _register_fp32_state_dict(model: nn.Module, session: AmpSession) -> list:
         for name, t in own_tensors(module):
             key = prefix + name
             value = state_dict.get(key)
-            if not isinstance(value, torch.Tensor) or value.dtype not in _HALF_DTYPES:
+            if not isinstance(value, torch.Tensor) or value.dtype not in HALF_DTYPES:
                 continue
             master = session.master_for(t)
             if master is None:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from amp_patch import ops, scaler as _scaler
 from amp_patch.apex_compat.amp_state import LossScalerView
+from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.optim.masters import MasterWeights
 from amp_patch.scaler import group_by_device_and_dtype
 
@@ -30,7 +31,6 @@ __all__ = ["FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
 
 logger = logging.getLogger("amp_patch")
 
-_HALF = (torch.float16, torch.bfloat16)
 #: ``dynamic_loss_args`` keys and defaults: those of Apex's ``apex.amp.scaler.LossScaler``.
 _DYNAMIC_DEFAULTS = {"init_scale": 2.0**16, "scale_factor": 2.0, "scale_window": 2000,
                      "min_loss_scale": None, "max_loss_scale": 2.0**24}
@@ -227,11 +227,11 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         for gi, group in enumerate(self.optimizer.param_groups):
             trainable = [p for p in group["params"] if p.requires_grad]
             for param in trainable:
-                if param.dtype not in _HALF and param.dtype != torch.float32:
+                if param.dtype not in HALF_DTYPES and param.dtype != torch.float32:
                     raise TypeError(f"FP16_Optimizer: param group {gi} holds a {param.dtype} "
                                     f"parameter of shape {tuple(param.shape)}; expected "
                                     "float16, bfloat16 or float32")
-            half = [p for p in trainable if p.dtype in _HALF]
+            half = [p for p in trainable if p.dtype in HALF_DTYPES]
             self._masters.attach({"params": list(half)}, self.optimizer.state)
             masters = [self._masters.master_for(p) for p in half]
             params = group["params"]

@@ -28,6 +28,7 @@ import torch
 
 import amp_patch
 from amp_patch.cpu_half import cpu_half_support
+from amp_patch.dtypes import check_half_dtype
 from amp_patch.patching.patcher import Patcher
 
 __all__ = ["CudaOnCpu", "CudaNotMappedError", "CpuStream", "CpuEvent", "MAPPED"]
@@ -302,10 +303,7 @@ class CudaOnCpu:
     """
 
     def __init__(self, half_dtype: torch.dtype = torch.bfloat16) -> None:
-        if half_dtype not in _HALF_TENSOR_TYPES:
-            raise ValueError(
-                f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype}")
-        self.half_dtype = half_dtype
+        self.half_dtype = check_half_dtype(half_dtype)
         self.index = 0
         self.default_stream = CpuStream()
         self._streams = [self.default_stream]
