@@ -157,12 +157,7 @@ def cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
         model (torch.nn.Module): the model.
         dtype (torch.dtype): the target dtype.
         keep_batchnorm_fp32 (bool): leave affine batch norms as they are.
-        castable (container of torch.dtype, optional): the dtypes that are
-            cast; None for every floating dtype. Default:
-            :data:`amp_patch.dtypes.CASTABLE_DTYPES`.
-        originals (list, optional): receives what each cast tensor held
-            before, to put it back exactly. Default: None (not kept).
-        leave (frozenset, optional): ``id()`` of params that keep their dtype.
+        castable, originals, leave (optional): passed to :func:`cast_own_tensors`.
 
     Example::
 

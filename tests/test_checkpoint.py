@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import amp_patch as amp
+from training_utils import assert_same_leaves, mlp, train
 
 TESTS = Path(__file__).resolve().parent
 
@@ -49,16 +53,6 @@ def run_worker(level, start, stop, load, save):
                     str(load), str(save)], check=True, timeout=300)
 
 
-def flat(obj):
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in flat(obj[k])]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in flat(v)]
-    return [obj]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_resume_in_fresh_process_is_bit_exact(level, tmp_path):
@@ -70,22 +64,13 @@ def test_resume_in_fresh_process_is_bit_exact(level, tmp_path):
     assert a["amp"] == b["amp"]
     if level in ("O1", "O2"):
         assert a["amp"]["loss_scaler0"]["skipped"] == 1
-    fa, fb = flat([a["model"], a["optimizer"]]), flat([b["model"], b["optimizer"]])
-    assert len(fa) == len(fb)
-    for x, y in zip(fa, fb):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y)
-        else:
-            assert x == y
+    assert_same_leaves([a["model"], a["optimizer"]], [b["model"], b["optimizer"]])
     if level == "O2":
         masters = a["optimizer"]["amp_master_params"]
         assert masters and all(t.dtype == torch.float32 for t in masters.values())
 
 
 def _o2_run(seed: int, steps: int):
-    import amp_patch as amp
-    from training_utils import mlp, train
-
     model = mlp(seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
@@ -94,14 +79,9 @@ def _o2_run(seed: int, steps: int):
 
 
 def _bits(model, opt) -> list:
-    """Clones of the model's params, the masters, and the optimizer's whole state dict."""
-    import copy
-
-    import amp_patch as amp
-
-    out = [p.detach().clone() for p in model.parameters()]
-    out += [m.detach().clone() for m in amp.master_params(opt)]
-    return out + flat(copy.deepcopy(opt.state_dict()))
+    """Copies of the model's params, the masters, and the optimizer's whole state dict."""
+    return copy.deepcopy([[p.detach() for p in model.parameters()],
+                          [m.detach() for m in amp.master_params(opt)], opt.state_dict()])
 
 
 def _bad_masters(kind: str, sd: dict) -> str:
@@ -129,10 +109,6 @@ def _bad_masters(kind: str, sd: dict) -> str:
 def test_failed_load_changes_nothing(kind):
     """Everything is checked before anything is copied: a bad checkpoint leaves the masters,
     the model and the optimizer state exactly as they were."""
-    import copy
-
-    import amp_patch as amp
-
     _, source_opt = _o2_run(1, 3)
     sd = copy.deepcopy(source_opt.state_dict())
     amp.deinitialize()
@@ -143,10 +119,4 @@ def test_failed_load_changes_nothing(kind):
     message = _bad_masters(kind, sd)
     with pytest.raises(ValueError, match=message):
         opt.load_state_dict(sd)
-    after = _bits(model, opt)
-    assert len(before) == len(after)
-    for x, y in zip(before, after):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y)
-        else:
-            assert x == y
+    assert_same_leaves(before, _bits(model, opt))

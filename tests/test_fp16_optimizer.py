@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_patch.apex_compat.fp16_utils import DynamicLossScaler, FP16_Optimizer, LossScaler
-from training_utils import count_host_syncs
+from training_utils import assert_same_leaves, count_host_syncs
 
 STEPS = 50
 OVERFLOW_AT = {3, 4, 17, 30}
@@ -229,19 +229,10 @@ def test_load_state_dict_errors_name_the_expected_form():
 
 
 def _wrapper_bits(opt: FP16_Optimizer, model: nn.Module) -> list:
-    """Every tensor (cloned) and plain value of the model, the masters, the wrapped optimizer's
-    state, the scaler and the flags, in a flat list."""
-    def flat(obj):
-        if isinstance(obj, torch.Tensor):
-            return [obj.detach().clone()]
-        if isinstance(obj, dict):
-            return [v for k in sorted(obj, key=str) for v in [k, *flat(obj[k])]]
-        if isinstance(obj, (list, tuple)):
-            return [v for item in obj for v in flat(item)]
-        return [obj]
-
-    return flat([list(model.parameters()), opt.all_fp32_from_fp16_params,
-                 opt.optimizer.state_dict(), opt._scaler.state_dict(), opt.overflow])
+    """Copies of the model, the masters, the wrapped optimizer's state, the scaler and the flags."""
+    return copy.deepcopy([[p.detach() for p in model.parameters()],
+                          [m.detach() for m in opt.all_fp32_from_fp16_params],
+                          opt.optimizer.state_dict(), opt._scaler.state_dict(), opt.overflow])
 
 
 def _spoil(kind: str, sd: dict) -> str:
@@ -275,13 +266,7 @@ def test_failed_load_changes_nothing(kind):
     before = _wrapper_bits(opt, model)
     with pytest.raises(ValueError, match=_spoil(kind, sd)):
         opt.load_state_dict(sd)
-    after = _wrapper_bits(opt, model)
-    assert len(before) == len(after)
-    for a, b in zip(before, after):
-        if isinstance(a, torch.Tensor):
-            assert a.dtype == b.dtype and torch.equal(a, b)
-        else:
-            assert a == b
+    assert_same_leaves(before, _wrapper_bits(opt, model))
 
 
 def test_fp32_params_stay_and_half_params_get_masters():
