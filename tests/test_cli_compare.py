@@ -68,7 +68,7 @@ def test_compare_all_levels_json_png_table(tmp_path):
     assert (out / "compare.png").read_bytes()[:8] == PNG_MAGIC
     table = (out / "table.txt").read_text()
     for word in ("O0", "O1", "O2", "O3", "autocast", "steps/s", "speed-up", "peak mem", "skipped",
-                 "load average", "native bf16", "timed rounds"):
+                 "load average", "bf16 native", "timed rounds"):
         assert word in table
 
 
