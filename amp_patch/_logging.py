@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 logger = logging.getLogger("amp_patch")
 
 _LEVELS = {0: logging.WARNING, 1: logging.INFO}
-_handler: logging.Handler | None = None
 
 
 def _rank() -> int:
@@ -19,7 +19,7 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def configure(verbosity: int) -> None:
+def configure(verbosity: int) -> Callable[[], None]:
     """Set the ``amp_patch`` logger's level from ``verbosity``, on rank 0 only.
 
     0 shows warnings and errors, 1 also the chosen properties and overflow
@@ -29,11 +29,32 @@ def configure(verbosity: int) -> None:
 
     Args:
         verbosity (int): 0, 1 or 2.
+
+    Returns:
+        callable: puts back the logger's level and propagate flag as they were
+        before this call, and takes out the handler it added (the logger's
+        ``handlers`` list stays the same list object). A session registers it
+        with :meth:`~amp_patch.session.AmpSession.on_close`.
+
+    Example::
+
+        >>> restore = configure(2)
+        >>> logging.getLogger("amp_patch").level == logging.DEBUG
+        True
+        >>> restore()
     """
-    global _handler
-    level = _LEVELS.get(verbosity, logging.DEBUG) if _rank() == 0 else logging.WARNING
-    logger.setLevel(level)
-    if _handler is None and not logger.handlers and not logging.getLogger().handlers:
-        _handler = logging.StreamHandler()
-        _handler.setFormatter(logging.Formatter("amp_patch: %(message)s"))
-        logger.addHandler(_handler)
+    level, propagate = logger.level, logger.propagate
+    added = None
+    logger.setLevel(_LEVELS.get(verbosity, logging.DEBUG) if _rank() == 0 else logging.WARNING)
+    if not logger.handlers and not logging.getLogger().handlers:
+        added = logging.StreamHandler()
+        added.setFormatter(logging.Formatter("amp_patch: %(message)s"))
+        logger.addHandler(added)
+
+    def restore() -> None:
+        if added is not None:
+            logger.removeHandler(added)
+        logger.propagate = propagate
+        logger.setLevel(level)
+
+    return restore

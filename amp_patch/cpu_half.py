@@ -38,6 +38,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from amp_patch import session as _session
+from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.patching.patcher import Patcher
+
 __all__ = [
     "MODES",
     "ENV_VAR",
@@ -74,6 +78,7 @@ PROBE_RATIO_LIMIT = 2.5
 
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                 "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+#: The half dtypes' short names, in the order reports list them.
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ONEDNN_CHECKS = {torch.bfloat16: "_is_mkldnn_bf16_supported",
                   torch.float16: "_is_mkldnn_fp16_supported"}
@@ -173,7 +178,7 @@ class CpuHalfSupport:
     def describe(self) -> str:
         """One line: the host kind, then for bf16 and fp16 whether they are native and why."""
         return f"{self.host()}: " + "; ".join(
-            f"{_SHORT[d]} {_describe_dtype(self.of(d))}" for d in (torch.bfloat16, torch.float16)
+            f"{_SHORT[d]} {_describe_dtype(self.of(d))}" for d in _SHORT
         ) + ("" if self.source == "detected" else f" [{self.source}]")
 
     def as_dict(self) -> dict[str, Any]:
@@ -181,7 +186,7 @@ class CpuHalfSupport:
         out: dict[str, Any] = {"cpu": self.cpu, "capability": self.capability,
                                "flags": None if self.flags is None else list(self.flags),
                                "host": self.host(), "source": self.source}
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in _SHORT:
             out[_SHORT[dtype]] = dict(dataclasses.asdict(self.of(dtype)), native=self.native(dtype))
         return out
 
@@ -385,9 +390,6 @@ def _probe(dtype: torch.dtype, repeats: int = 7) -> tuple[float, float]:
 
 # --------------------------------------------------------------------------- what a session does
 
-_HALVES = (torch.bfloat16, torch.float16)
-
-
 @dataclass(frozen=True)
 class CpuHalfPlan:
     """What one session does about half compute on the CPU.
@@ -501,7 +503,7 @@ def _session_plan(session) -> CpuHalfPlan | None:
     props = session.props
     if not props.enabled or not _on_cpu(session.models):
         return None
-    if props.cast_model_type in _HALVES:
+    if props.cast_model_type in HALF_DTYPES:
         dtype = props.cast_model_type
     elif props.patch_torch_functions:
         dtype = props.half_dtype
@@ -525,8 +527,6 @@ def current_plan() -> CpuHalfPlan | None:
         >>> amp_patch.cpu_half.current_plan().mode
         'native'
     """
-    from amp_patch import session as _session
-
     live = _session.current()
     return None if live is None else live.cpu_half
 
@@ -713,8 +713,6 @@ def install(session) -> CpuHalfPlan | None:
         >>> install(session).mode
         'emulate'
     """
-    from amp_patch.patching.patcher import Patcher
-
     if not (session.props.enabled and _on_cpu(session.models)):
         return None
     _log_once(cpu_half_support())

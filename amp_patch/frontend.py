@@ -9,8 +9,20 @@ from typing import Any, Sequence, TypeVar
 import torch
 from torch import nn
 
-from amp_patch import _logging, session as _session
+from amp_patch import (
+    _logging,
+    cpu_half as _cpu_half,
+    model as _model,
+    optim as _optim,
+    session as _session,
+)
+from amp_patch.distributed import fsdp as _fsdp
+from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
+from amp_patch.patching import install as _install_patches
+from amp_patch.patching.state import disable_casts
 from amp_patch.properties import Properties
+from amp_patch.scaler import LossScaler
 
 __all__ = ["initialize", "deinitialize", "state_dict", "load_state_dict"]
 
@@ -107,8 +119,6 @@ def initialize(
         ...     scaled_loss.backward()
         >>> optimizer.step()
     """
-    from amp_patch.optim import OPTIMIZER_TYPES
-
     model_list, models_listed = _as_list(models, (nn.Module,), "models")
     if optimizers is None:
         opt_list, opts_listed = [], False
@@ -134,13 +144,18 @@ def initialize(
         max_consecutive_skips=max_consecutive_skips,
         cpu_half_compute=cpu_half_compute,
     )
-    _logging.configure(props.verbosity)
-    if props.enabled:
-        _check_params_belong(model_list, opt_list, props)
-        _check_no_float64_params(model_list, props)
-
-    session = _session.AmpSession(props, model_list, opt_list)
-    _session.activate(session)
+    restore_logging = _logging.configure(props.verbosity)
+    try:
+        if props.enabled:
+            _check_params_belong(model_list, opt_list, props)
+            _check_no_float64_params(model_list, props)
+        session = _session.AmpSession(props, model_list, opt_list)
+        _session.activate(session)
+    except BaseException:
+        restore_logging()
+        raise
+    # Registered first, so undone last: the other undos still log at this session's level.
+    session.on_close("the amp_patch logger's level and handler", restore_logging)
     if props.enabled:
         try:
             _build(session)
@@ -159,13 +174,6 @@ def initialize(
 
 
 def _build(session: _session.AmpSession) -> None:
-    # Imported here: these modules import torch-heavy pieces that need ops registered first.
-    from amp_patch import cpu_half as _cpu_half, model as _model, optim as _optim
-    from amp_patch.distributed import fsdp as _fsdp
-    from amp_patch.patching import install as _install_patches
-    from amp_patch.patching.state import disable_casts
-    from amp_patch.scaler import LossScaler
-
     props = session.props
     session.sharding = _fsdp.prepare(session)  # before the cast: it says what FSDP casts itself
     _model.prepare(session)
@@ -239,6 +247,29 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     session = _session.require("amp_patch.load_state_dict()")
     if not session.props.enabled:
         return
+    expected = check_scaler_states(session, state)
+    for key, scaler in zip(expected, session.scalers):
+        scaler.load_state_dict(state[key])
+
+
+def check_scaler_states(session: _session.AmpSession, state: Any) -> list[str]:
+    """Check the amp state for :func:`load_state_dict` without loading it.
+
+    Args:
+        session (AmpSession): the live session, whose loss scalers would load ``state``.
+        state (dict): as :func:`state_dict` returned it.
+
+    Returns:
+        list: the keys of ``state`` that its scalers load, in their order.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: as :func:`load_state_dict`.
+
+    Example::
+
+        >>> check_scaler_states(session, {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
+        ['loss_scaler0']
+    """
     n = len(session.scalers)
     expected = [f"loss_scaler{i}" for i in range(n)]
     form = ("the dict that amp_patch.state_dict() returns, {'loss_scaler0': {'loss_scale': "
@@ -257,8 +288,7 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
         )
     for key, scaler in zip(expected, session.scalers):
         scaler.check_state_dict(state[key])
-    for key, scaler in zip(expected, session.scalers):
-        scaler.load_state_dict(state[key])
+    return expected
 
 
 def _as_list(value: Any, kinds: tuple[type, ...], name: str) -> tuple[list, bool]:
@@ -294,8 +324,6 @@ def _check_models(models: Sequence[nn.Module]) -> None:
 
 
 def _check_optimizers(optimizers: Sequence[Any]) -> None:
-    from amp_patch.optim import underlying_optimizer
-
     seen: set[int] = set()
     for opt in optimizers:
         inner = underlying_optimizer(opt)  # a LARC and the optimizer it wraps are one
@@ -310,8 +338,6 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
                          props: Properties) -> None:
     """Optimizer params outside every model: an error where the models are cast (O2/O3: the
     optimizer would step tensors the cast models no longer use), else a warning."""
-    from amp_patch.optim import underlying_optimizer
-
     owned = {id(p) for m in models for p in m.parameters()}
     foreign = [f"{type(opt).__name__} param_groups[{gi}]['params'][{pi}] "
                f"(shape {tuple(p.shape)}, {p.dtype})"
@@ -320,13 +346,11 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
                for pi, p in enumerate(group["params"]) if id(p) not in owned]
     if not foreign:
         return
-    from amp_patch.distributed.fsdp import SUPPORTED_ORDER, fsdp_states
-
-    if fsdp_states(models):
+    if _fsdp.fsdp_states(models):
         raise ValueError(
             f"{len(foreign)} parameters of the optimizers belong to none of the models passed to "
             f"amp_patch.initialize(), which are sharded with fully_shard: an optimizer built "
-            f"before fully_shard holds the unsharded parameters. Call {SUPPORTED_ORDER}.")
+            f"before fully_shard holds the unsharded parameters. Call {_fsdp.SUPPORTED_ORDER}.")
     n = len(foreign)
     shown = ", ".join(foreign[:5]) + (f", and {n - 5} more" if n > 5 else "")
     what = (f"{n} parameter{'s' if n > 1 else ''} of the optimizers belong{'s' if n == 1 else ''} "
@@ -341,11 +365,9 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
 def _check_no_float64_params(models: Sequence[nn.Module], props: Properties) -> None:
     """amp casts fp16/bf16/fp32 only; a float64 param left in a half model fails at the first
     forward with a dtype mismatch, so say it here, by name."""
-    if props.cast_model_type not in (torch.float16, torch.bfloat16):
+    if props.cast_model_type not in HALF_DTYPES:
         return
-    from amp_patch.model import named_parameters
-
-    doubles = [name for name, p in named_parameters(list(models)) if p.dtype == torch.float64]
+    doubles = [name for name, p in _model.named_parameters(list(models)) if p.dtype == torch.float64]
     if doubles:
         raise ValueError(
             f"{props.opt_level} casts the model to {props.cast_model_type}, but amp leaves float64 "
@@ -362,7 +384,7 @@ def _floating_tensors(model: nn.Module):
 
 def _default_half_dtype(models: Sequence[nn.Module], cast_model_type: Any) -> torch.dtype:
     # An explicit half cast_model_type says what "half" means (and so the default loss scale).
-    if cast_model_type in (torch.float16, torch.bfloat16):
+    if isinstance(cast_model_type, torch.dtype) and cast_model_type in HALF_DTYPES:
         return cast_model_type
     on_cuda = any(t.is_cuda for m in models for t in _floating_tensors(m))
     return torch.float16 if on_cuda else torch.bfloat16

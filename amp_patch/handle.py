@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from amp_patch import session as _session
+from amp_patch.model import named_parameters
 from amp_patch.optim import OPTIMIZER_TYPES
 from amp_patch.scaler import LossScaleCollapseError
 
@@ -225,8 +226,6 @@ def _as_optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
 
 
 def _nonfinite_names(session: _session.AmpSession, records: list[OptimizerRecord]) -> list[str]:
-    from amp_patch.model import named_parameters
-
     names = {id(param): name for name, param in named_parameters(session.models)}
     found: list[str] = []
     for record in records:

@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from amp_patch import _logging, session as _session
+from amp_patch import _logging, cpu_half, session as _session
+from amp_patch.patching import install
 from amp_patch.properties import Properties
 
 __all__ = ["init", "AmpHandle"]
@@ -86,15 +87,17 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
     """
     if not enabled:
         return AmpHandle(None)
-    from amp_patch import cpu_half
-    from amp_patch.patching import install
-
     half = half_dtype or (torch.float16 if torch.cuda.is_available() else torch.bfloat16)
     props = Properties.from_opt_level("O1", half, loss_scale=loss_scale,
                                       verbosity=2 if verbose else 1)
-    _logging.configure(props.verbosity)
+    restore_logging = _logging.configure(props.verbosity)
     session = _session.AmpSession(props, [], [])
-    _session.activate(session)
+    try:
+        _session.activate(session)
+    except BaseException:
+        restore_logging()
+        raise
+    session.on_close("the amp_patch logger's level and handler", restore_logging)
     try:
         cpu_half.install(session)  # first, as in initialize: O1's wrappers call the emulating ones
         install(session, allow_banned=allow_banned, enable_caching=enable_caching)

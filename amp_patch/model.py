@@ -21,7 +21,7 @@ through untouched.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import torch
@@ -29,13 +29,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from amp_patch.dtypes import CASTABLE_DTYPES, HALF_DTYPES
 from amp_patch.session import AmpSession
 
-__all__ = ["prepare", "cast_floating", "named_parameters", "kept_fp32", "CASTABLE_DTYPES"]
-
-#: The floating dtypes amp converts; float64 is left as the caller made it.
-CASTABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
+__all__ = ["prepare", "cast_module", "cast_own_tensors", "cast_floating", "named_parameters",
+           "kept_fp32"]
 
 
 def prepare(session: AmpSession) -> None:
@@ -90,8 +88,8 @@ def prepare(session: AmpSession) -> None:
         if props.casts_model:
             model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
             keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
-            _cast_module(model, model_dtype, keep_bn, originals, leave)
-            if model_dtype in _HALF_DTYPES:
+            cast_module(model, model_dtype, keep_bn, originals=originals, leave=leave)
+            if model_dtype in HALF_DTYPES:
                 handles += _register_fp32_state_dict(model, session)
 
             def cast_inputs(module, args, kwargs, _dtype=model_dtype):
@@ -147,18 +145,66 @@ def kept_fp32(module: nn.Module, keep_batchnorm_fp32: bool) -> bool:
     return keep_batchnorm_fp32 and isinstance(module, _BatchNorm) and module.affine
 
 
-def _cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool,
-                 originals: list, leave: frozenset[int] = frozenset()) -> None:
-    """Cast through ``.data``; each tensor's uncast data and grad go to ``originals`` first.
-    Params whose ``id()`` is in ``leave`` keep their dtype."""
+def cast_module(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool, *,
+                castable: Container[torch.dtype] | None = CASTABLE_DTYPES,
+                originals: list | None = None, leave: frozenset[int] = frozenset()) -> None:
+    """Cast the params and buffers of ``model`` and its submodules to ``dtype``, in place.
+
+    Each module's own tensors go through :func:`cast_own_tensors`, except
+    those of the modules :func:`kept_fp32` keeps.
+
+    Args:
+        model (torch.nn.Module): the model.
+        dtype (torch.dtype): the target dtype.
+        keep_batchnorm_fp32 (bool): leave affine batch norms as they are.
+        castable, originals, leave (optional): passed to :func:`cast_own_tensors`.
+
+    Example::
+
+        >>> net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        >>> cast_module(net, torch.bfloat16, keep_batchnorm_fp32=True)
+        >>> net[0].weight.dtype, net[1].weight.dtype
+        (torch.bfloat16, torch.float32)
+    """
     for module in model.modules():
-        if kept_fp32(module, keep_batchnorm_fp32):
-            continue
-        tensors = [p for p in module.parameters(recurse=False) if id(p) not in leave]
-        tensors += [b for b in module.buffers(recurse=False) if b is not None]
-        for t in tensors:
-            if t.dtype in CASTABLE_DTYPES and t.dtype != dtype:
-                originals.append(_Original.cast(t, dtype))
+        if not kept_fp32(module, keep_batchnorm_fp32):
+            cast_own_tensors(module, dtype, castable=castable, originals=originals, leave=leave)
+
+
+def cast_own_tensors(module: nn.Module, dtype: torch.dtype, *,
+                     castable: Container[torch.dtype] | None = CASTABLE_DTYPES,
+                     originals: list | None = None, leave: frozenset[int] = frozenset()) -> None:
+    """Cast the params and buffers of ``module`` itself (not its children) to ``dtype``.
+
+    Every tensor stays the same object: a plain tensor gets new ``.data``, a
+    wrapper subclass (FSDP2's DTensor) swaps contents with a cast copy. A
+    param's grad is replaced by a cast copy.
+
+    Args:
+        module (torch.nn.Module): the module.
+        dtype (torch.dtype): the target dtype.
+        castable (container of torch.dtype, optional): the dtypes that are
+            cast; None for every floating dtype. Default:
+            :data:`amp_patch.dtypes.CASTABLE_DTYPES`.
+        originals (list, optional): receives what each cast tensor held
+            before, to put it back exactly. Default: None (not kept).
+        leave (frozenset, optional): ``id()`` of params that keep their dtype.
+
+    Example::
+
+        >>> seq = nn.Sequential(nn.Linear(4, 4))
+        >>> cast_own_tensors(seq, torch.bfloat16)   # a container: it holds no tensor itself
+        >>> seq[0].weight.dtype
+        torch.float32
+    """
+    tensors = [p for p in module.parameters(recurse=False) if id(p) not in leave]
+    tensors += [b for b in module.buffers(recurse=False) if b is not None]
+    for t in tensors:
+        if t.dtype != dtype and (t.dtype in castable if castable is not None
+                                 else t.is_floating_point()):
+            original = _Original.cast(t, dtype)
+            if originals is not None:
+                originals.append(original)
 
 
 class _Original:
@@ -216,7 +262,7 @@ def _register_fp32_state_dict(model: nn.Module, session: AmpSession) -> list:
         for name, t in own_tensors(module):
             key = prefix + name
             value = state_dict.get(key)
-            if not isinstance(value, torch.Tensor) or value.dtype not in _HALF_DTYPES:
+            if not isinstance(value, torch.Tensor) or value.dtype not in HALF_DTYPES:
                 continue
             master = session.master_for(t)
             if master is None:

@@ -9,6 +9,7 @@ from typing import Any, Union
 import torch
 
 from amp_patch.cpu_half import check_mode as check_cpu_half_mode
+from amp_patch.dtypes import check_half_dtype
 
 __all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS"]
 
@@ -16,7 +17,6 @@ DYNAMIC = "dynamic"
 #: Consecutive skipped steps a static loss scale allows before it is an error.
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 50
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # cast_model_type: a dtype, None (leave the model alone) or False (no model or input casting).
 CastType = Union[torch.dtype, None, bool]
@@ -97,10 +97,7 @@ class Properties:
                 "'O3'. Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the "
                 "number zero."
             )
-        if self.half_dtype not in _HALF_DTYPES:
-            raise ValueError(
-                f"half_dtype must be torch.float16 or torch.bfloat16, got {self.half_dtype!r}"
-            )
+        check_half_dtype(self.half_dtype)
         check_cpu_half_mode(self.cpu_half_compute)
         set_(self, "keep_batchnorm_fp32", _parse_optional_bool(self.keep_batchnorm_fp32))
         set_(self, "loss_scale", _parse_loss_scale(self.loss_scale))

@@ -4,12 +4,20 @@ One :class:`LossScaler` exists per ``loss_id``. Its scale lives twice: as a
 host float (the *mirror*, used to scale the loss and as the float argument of
 ``multi_tensor_axpby_``) and, per device, as a one-element ``inv_scale``
 tensor that the fused kernels read. The overflow flag ``found_inf`` is a
-one-element tensor per device that the kernels set. :meth:`LossScaler.update`
-reads the flags with the one host sync of an iteration and then changes the
-mirror and the device tensors together, so the two never disagree.
+one-element tensor per device, set by the unscale kernels and by the checks of
+the loss (:meth:`LossScaler.check_loss`) and of the grads' norm
+(:meth:`LossScaler.check`). :meth:`LossScaler.update` reads the flags with the
+one host sync of an iteration and then changes the mirror and the device
+tensors together, so the two never disagree.
 
-:func:`group_by_device_and_dtype` is the one place where tensors are split
-for the fused ops; every fused call in amp_patch goes through it.
+Every tensor of one fused op call must be on one device. Here,
+:func:`group_by_device_and_dtype` splits the lists of the unscale passes; the
+copy of the masters into the model, ``FP16_Optimizer.clip_master_grads`` and
+:func:`amp_patch.clip_grad_norm_` use it too. The other fused calls split
+their lists themselves: :meth:`LossScaler.check` and the fused optimizers'
+grad norms by device, the fused optimizers' steps in their ``_batches`` (by
+device, and whether a half model copy is written), and the ``amp_C``
+functions by device (``_by_device``).
 """
 
 from __future__ import annotations
@@ -42,9 +50,12 @@ GroupKey = tuple[torch.device, torch.dtype]
 def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[list[Tensor], ...]]:
     """Split parallel lists of tensors by the (device, dtype) of the first list's tensors.
 
-    Each fused op call takes tensors of one device; grouping by dtype too lets
-    a kernel pick one specialisation per call. The lists are kept parallel:
-    element ``i`` of every list lands in the same group, in the original order.
+    Each fused op call takes tensors of one device. The ops do not need the
+    split by dtype (they take lists that mix dtypes and run each tensor with
+    its dtype's kernel); with it, each call gets one dtype, and a caller that
+    reduces per group (a norm) combines one result per (device, dtype). The
+    lists are kept parallel: element ``i`` of every list lands in the same
+    group, in the original order.
     A DTensor (FSDP2's sharded params and grads) lands as its local shard
     (:func:`amp_patch.distributed.fsdp.local_tensors`): each rank works on its own.
 
@@ -121,8 +132,8 @@ class LossScaler:
 
     A dynamic scale starts at ``min(2**16, max_loss_scale)``. An overflow
     halves it (never below ``min_loss_scale``) and restarts the count of clean
-    iterations; after 2000 clean iterations it doubles, up to
-    ``max_loss_scale``. A static scale never changes, but an overflow still
+    iterations; after ``scale_window`` (2000) clean iterations it doubles, up
+    to ``max_loss_scale``. A static scale never changes, but an overflow still
     makes the step be skipped; more than ``max_consecutive_skips`` overflows
     in a row are an error. Iterations are counted per :meth:`update`, i.e.
     per exit of :func:`amp_patch.scale_loss` for this ``loss_id``.
@@ -242,10 +253,11 @@ class LossScaler:
         Args:
             in_place (iterable of Tensor): grads divided by the scale in place
                 (``multi_tensor_unscale_``).
-            copy (pair of lists): ``(src, dst)``: ``dst = float(src) / scale``
+            copy (pair of lists): ``(src, dst)``: ``dst = float(src) * inv_scale``
                 (``multi_tensor_unscale_copy_``, half model grads into the
                 fp32 master grads' storage).
-            accumulate (pair of lists): ``(x, y)``: ``y = x / scale + y``
+            accumulate (pair of lists): ``(x, y)``: ``y = x * (1 / scale) + y``,
+                ``1 / scale`` computed on the host from the mirror
                 (``multi_tensor_axpby_``, new scaled grads into grads that
                 already hold unscaled ones).
 

@@ -6,8 +6,9 @@ to word the error when a script goes on using one. Other module-level state in
 amp_patch is not a session's: the O1 registrations waiting for the next
 ``initialize`` (:mod:`amp_patch.patching.registry`), the cached CPU half
 detection and its overrides (:mod:`amp_patch.cpu_half`), torch.compile's
-snapshot of the patched functions (:mod:`amp_patch.patching.dynamo`) and the
-logging handler.
+snapshot of the patched functions (:mod:`amp_patch.patching.dynamo`). The
+``amp_patch`` logger's level (and the stderr handler added when none was
+found) is set for a session and put back when it closes.
 """
 
 from __future__ import annotations

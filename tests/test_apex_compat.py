@@ -70,6 +70,30 @@ def test_star_import_fp16_utils_then_use(hook):
     assert namespace["value"] == 2.5
 
 
+def test_convert_network_keeps_apex_rules(monkeypatch):
+    """Apex's convert_network: affine batch norms stay fp32 (a non-affine one is cast), every
+    other floating tensor is cast, float64 included, grads too, the same objects, and RNNs
+    are flattened again; integer buffers are left."""
+    from amp_patch.apex_compat.fp16_utils import convert_module, convert_network
+
+    flattened = []
+    monkeypatch.setattr(nn.LSTM, "flatten_parameters", lambda self: flattened.append(self))
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4, affine=False),
+                        nn.LSTM(4, 4)).double()
+    net[0].weight.grad = torch.ones(4, 4, dtype=torch.float64)
+    params = list(net.parameters())
+    flattened.clear()  # .double() flattened it already
+    assert convert_network(net, torch.bfloat16) is net
+    assert all(a is b for a, b in zip(net.parameters(), params)) and flattened == [net[3]]
+    assert net[0].weight.dtype == net[0].weight.grad.dtype == torch.bfloat16
+    assert net[1].weight.dtype == net[1].running_mean.dtype == torch.float64  # as Apex: untouched
+    assert net[2].running_mean.dtype == torch.bfloat16
+    assert net[1].num_batches_tracked.dtype == torch.int64
+    assert all(p.dtype == torch.bfloat16 for p in net[3].parameters())
+    child = nn.Sequential(nn.Linear(2, 2))
+    assert convert_module(child, torch.float16)[0].weight.dtype == torch.float32
+
+
 def test_larc_is_served_from_parallel(hook):
     from apex.parallel import LARC
     from apex.parallel.LARC import LARC as larc_class

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import amp_patch as amp
+from training_utils import assert_same_leaves, mlp, train
 
 TESTS = Path(__file__).resolve().parent
 
@@ -49,16 +53,6 @@ def run_worker(level, start, stop, load, save):
                     str(load), str(save)], check=True, timeout=300)
 
 
-def flat(obj):
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in flat(obj[k])]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in flat(v)]
-    return [obj]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_resume_in_fresh_process_is_bit_exact(level, tmp_path):
@@ -70,13 +64,59 @@ def test_resume_in_fresh_process_is_bit_exact(level, tmp_path):
     assert a["amp"] == b["amp"]
     if level in ("O1", "O2"):
         assert a["amp"]["loss_scaler0"]["skipped"] == 1
-    fa, fb = flat([a["model"], a["optimizer"]]), flat([b["model"], b["optimizer"]])
-    assert len(fa) == len(fb)
-    for x, y in zip(fa, fb):
-        if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y)
-        else:
-            assert x == y
+    assert_same_leaves([a["model"], a["optimizer"]], [b["model"], b["optimizer"]])
     if level == "O2":
         masters = a["optimizer"]["amp_master_params"]
         assert masters and all(t.dtype == torch.float32 for t in masters.values())
+
+
+def _o2_run(seed: int, steps: int):
+    model = mlp(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    train(model, opt, steps)
+    return model, opt
+
+
+def _bits(model, opt) -> list:
+    """Copies of the model's params, the masters, and the optimizer's whole state dict."""
+    return copy.deepcopy([[p.detach() for p in model.parameters()],
+                          [m.detach() for m in amp.master_params(opt)], opt.state_dict()])
+
+
+def _bad_masters(kind: str, sd: dict) -> str:
+    """Spoil ``sd``'s masters (or its groups) in place; returns what the error must say."""
+    if kind in ("groups", "groups-no-masters"):
+        sd["param_groups"][0]["params"].append(99)  # torch's own check fails after amp's hook
+        return "size of optimizer's group"
+    masters = sd["amp_master_params"]
+    last = max(masters)
+    if kind == "shape":
+        masters[last] = torch.zeros(2, 2)
+        return r"master weight 3 .*shape \(2, 2\).*expected .*shape \(4,\)"
+    if kind == "dtype":
+        masters[last] = masters[last].bfloat16()
+        return r"master weight 3 .*torch.bfloat16.*expected torch.float32"
+    if kind == "missing":
+        del masters[last]
+        return r"fp32 masters for parameters \[0, 1, 2\]; expected \[0, 1, 2, 3\]"
+    masters[last + 1] = torch.zeros(3)
+    return r"fp32 masters for parameters \[0, 1, 2, 3, 4\]; expected \[0, 1, 2, 3\]"
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "missing", "extra", "groups",
+                                  "groups-no-masters"])
+def test_failed_load_changes_nothing(kind):
+    """Everything is checked before anything is copied: a bad checkpoint leaves the masters,
+    the model and the optimizer state exactly as they were."""
+    _, source_opt = _o2_run(1, 3)
+    sd = copy.deepcopy(source_opt.state_dict())
+    amp.deinitialize()
+    model, opt = _o2_run(0, 2)
+    if kind == "groups-no-masters":
+        del sd["amp_master_params"]  # the masters would restart from the (half) model
+    before = _bits(model, opt)
+    message = _bad_masters(kind, sd)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    assert_same_leaves(before, _bits(model, opt))

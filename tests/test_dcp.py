@@ -11,7 +11,7 @@ import torch
 
 import _dist_cases
 import amp_patch as amp
-from training_utils import assert_identical, mlp, snapshot, train
+from training_utils import assert_identical, conv_batch, convnet, mlp, snapshot, train
 
 
 def _check(group: str, name: str, tmp_path_factory) -> None:
@@ -97,3 +97,37 @@ def test_fp32_checkpoint_loads_into_an_amp_run(tmp_path):
     for p, m in zip(model.parameters(), amp.master_params(opt2)):
         assert torch.equal(p, m)  # the masters take the fp32 weights exactly
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16
+
+
+def _live(model, opt) -> list[torch.Tensor]:
+    """Clones of the model's own params (half under O2), the masters and the optimizer state."""
+    return [p.detach().clone() for p in model.parameters()] + snapshot([model], [opt])
+
+
+@pytest.mark.parametrize("case", ["groups", "num_losses"])
+def test_failed_load_changes_nothing(case, tmp_path):
+    """Every check runs before dcp.load writes the live tensors in place."""
+    def run(seed, num_losses=1):
+        model = convnet(seed)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0,
+                                    num_losses=num_losses)
+        train(model, opt, 2, batch_fn=conv_batch)
+        return model, opt
+
+    amp.save_checkpoint(tmp_path / "ckpt", *run(0, num_losses=2 if case == "num_losses" else 1))
+    amp.deinitialize()
+    model, opt = run(1)
+    if case == "groups":
+        params = [p for g in opt.param_groups for p in g["params"]]
+        split = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+        opt.param_groups = split.param_groups
+    before = _live(model, opt)
+    error, message = {
+        "groups": (ValueError, "has 1 param groups, this Adam has 2"),
+        "num_losses": (RuntimeError, r"loss scalers \['loss_scaler0', 'loss_scaler1'\].*"
+                                     "num_losses=1"),
+    }[case]
+    with pytest.raises(error, match=message):
+        amp.load_checkpoint(tmp_path / "ckpt", model, opt)
+    assert_identical(_live(model, opt), before)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from amp_patch.apex_compat.fp16_utils import DynamicLossScaler, FP16_Optimizer, LossScaler
-from training_utils import count_host_syncs
+from training_utils import assert_same_leaves, count_host_syncs
 
 STEPS = 50
 OVERFLOW_AT = {3, 4, 17, 30}
@@ -226,6 +226,47 @@ def test_load_state_dict_errors_name_the_expected_form():
         FP16_Optimizer(object())
     with pytest.raises(TypeError, match="unknown dynamic_loss_args"):
         _wrapped(_model(torch.bfloat16), dynamic_loss_scale=True, dynamic_loss_args={"window": 2})
+
+
+def _wrapper_bits(opt: FP16_Optimizer, model: nn.Module) -> list:
+    """Copies of the model, the masters, the wrapped optimizer's state, the scaler and the flags."""
+    return copy.deepcopy([[p.detach() for p in model.parameters()],
+                          [m.detach() for m in opt.all_fp32_from_fp16_params],
+                          opt.optimizer.state_dict(), opt._scaler.state_dict(), opt.overflow])
+
+
+def _spoil(kind: str, sd: dict) -> str:
+    """Spoil one part of a saved FP16_Optimizer state in place; returns what the error says."""
+    if kind == "master dtype":
+        sd["fp32_from_fp16"][0][-1] = sd["fp32_from_fp16"][0][-1].bfloat16()
+        return r"group 0, master 3: .*torch.bfloat16.*expected torch.float32"
+    if kind == "master shape":
+        sd["fp32_from_fp16"][0][-1] = torch.zeros(2)
+        return r"group 0, master 3: .*shape \(2,\).*expected .*shape \(3,\)"
+    if kind == "scaler":
+        sd["loss_scaler"]["loss_scale"] = -1.0
+        return "loss_scale"
+    sd["optimizer_state_dict"]["param_groups"][0]["params"].append(99)
+    return "size of optimizer's group"
+
+
+@pytest.mark.parametrize("kind", ["master dtype", "master shape", "scaler", "optimizer"])
+def test_failed_load_changes_nothing(kind):
+    """Every part is checked before any is applied: a bad checkpoint changes no value, no flag
+    and no scale."""
+    model = _model(torch.bfloat16)
+    opt = _wrapped(model, dynamic_loss_scale=True)
+    for step in range(3):
+        _iteration(opt, model, step, torch.bfloat16)
+    sd = _save(opt.state_dict())
+    sd["loss_scaler"]["loss_scale"] /= 4
+    sd["overflow"] = not opt.overflow
+    for step in range(3, 5):
+        _iteration(opt, model, step, torch.bfloat16)
+    before = _wrapper_bits(opt, model)
+    with pytest.raises(ValueError, match=_spoil(kind, sd)):
+        opt.load_state_dict(sd)
+    assert_same_leaves(before, _wrapper_bits(opt, model))
 
 
 def test_fp32_params_stay_and_half_params_get_masters():

@@ -105,6 +105,72 @@ def test_properties_are_logged(caplog):
     assert "O1" in caplog.text and "patch_torch_functions" in caplog.text
 
 
+@pytest.fixture
+def amp_logger(monkeypatch):
+    """The amp_patch logger at level ERROR with a handler list of its own; the old settings
+    come back at the end."""
+    log = logging.getLogger("amp_patch")
+    level = log.level
+    monkeypatch.setattr(log, "handlers", [])
+    log.setLevel(logging.ERROR)
+    yield log
+    log.setLevel(level)
+
+
+def _fail(session):
+    raise RuntimeError("build failed on purpose")
+
+
+@pytest.mark.parametrize("how", ["initialize", "legacy init", "apex verbosity", "bad optimizer",
+                                 "failed build", "already live"])
+@pytest.mark.parametrize("handlers", ["none anywhere", "own handler"])
+def test_logger_left_as_found(how, handlers, amp_logger, monkeypatch):
+    """initialize (and legacy init, and Apex's _amp_state.verbosity during a session) set the
+    amp_patch logger's level and may add a handler; closing the session, or a failed
+    initialize, puts back the very same level, handler list and propagate flag."""
+    from amp_patch.apex_compat.amp_state import amp_state
+
+    log = amp_logger
+    # Set here, not in the fixture: pytest attaches its capture handlers to loggers that do
+    # not propagate when a test phase starts.
+    monkeypatch.setattr(log, "propagate", False)
+    if handlers == "own handler":
+        log.addHandler(logging.NullHandler())
+    else:  # nothing anywhere: amp adds its stderr handler
+        monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    found = (log.level, log.handlers, list(log.handlers))
+    if how == "already live":
+        amp_patch.initialize(_model(), opt_level="O0", verbosity=0)
+    live = (log.level, log.handlers, list(log.handlers))
+    model = _model()
+    stranger = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    if how == "failed build":
+        monkeypatch.setattr(amp_patch.frontend, "_build", _fail)
+    if how in ("bad optimizer", "failed build", "already live"):
+        with pytest.raises((ValueError, RuntimeError)):
+            amp_patch.initialize(model, stranger if how == "bad optimizer" else None,
+                                 opt_level="O2", verbosity=2)
+        assert (log.level, log.handlers, list(log.handlers)) == live
+        assert log.handlers is found[1]
+        amp_patch.deinitialize()
+    else:
+        if how == "legacy init":
+            amp_patch.init(verbose=True)
+        else:
+            amp_patch.initialize(model, opt_level="O1", verbosity=0 if how == "apex verbosity"
+                                 else 2)
+        if how == "apex verbosity":
+            amp_state.verbosity = 2
+        assert log.level == logging.DEBUG
+        added = [type(h) for h in log.handlers if h not in found[2]]
+        assert added == ([logging.StreamHandler] if handlers == "none anywhere" else [])
+        assert log.propagate is False
+        amp_patch.deinitialize()
+    assert log.level == logging.ERROR and log.propagate is False
+    assert log.handlers is found[1] and log.handlers == found[2]
+    assert len(found[2]) == (handlers == "own handler")
+
+
 # --- bad calls ------------------------------------------------------------------------------
 
 def test_unknown_level():

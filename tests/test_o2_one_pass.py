@@ -147,13 +147,23 @@ def test_one_pass_equals_materialized_master_grads(monkeypatch, name, precision)
         assert scale < 2.0**16  # the injected overflows halved it
 
 
+#: The two ways to clip under O2: torch's on amp.master_params, and amp's on the optimizer.
+CLIPS = {
+    "torch": lambda opt: torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.05),
+    "amp": lambda opt: amp.clip_grad_norm_(opt, 0.05),
+}
+
+
+@pytest.mark.parametrize("clip_with", sorted(CLIPS))
 @pytest.mark.parametrize("name", ["adam", "lamb"])
-def test_clipping_master_params_materializes_them(monkeypatch, name):
+def test_clipping_master_params_materializes_them(monkeypatch, name, clip_with):
+    """Clipping each step (fp16, dynamic scale, two injected overflows, whose skipped steps
+    _train checks change nothing) gives the bits of the classic path clipped the same way."""
     opt_cls, kwargs = OPTIMIZERS[name]
     norms = []
 
     def clip(model, opt):
-        norms.append(torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.05))
+        norms.append(CLIPS[clip_with](opt))
 
     classic, _ = _train(_without_step_inputs(opt_cls), kwargs, "fp16-dynamic", "one-pass",
                         on_step=clip)
@@ -165,6 +175,8 @@ def test_clipping_master_params_materializes_them(monkeypatch, name):
     for (a, _), (b, _) in zip(ours, classic):
         assert_identical(a, b)
     assert [n.item() for n in norms] == [n.item() for n in ref_norms]
+    finite = [n.item() for n in norms if torch.isfinite(n)]
+    assert len(finite) == STEPS - 2 and min(finite) > 0.05  # every stepped iteration clipped
 
 
 def _accumulating_run(opt_cls, kwargs, models_and_opts, pattern, steps=4):

@@ -58,6 +58,29 @@ def snapshot(models, optimizers) -> list[torch.Tensor]:
     return out
 
 
+def leaves(obj) -> list:
+    """The tensors and plain values in nested dicts (in key order), lists and tuples, in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in leaves(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in leaves(v)]
+    return [obj]
+
+
+def assert_same_leaves(a, b) -> None:
+    """``a`` and ``b`` hold the same :func:`leaves`: tensors of one dtype and the same bits, and
+    equal plain values."""
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            assert x == y
+
+
 def assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):

@@ -277,7 +277,10 @@ class AmpState(_View):
     def verbosity(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"verbosity must be an int >= 0, got {value!r}")
-        _logging.configure(value)
+        restore_logging = _logging.configure(value)
+        session = _session.current()
+        if session is not None:
+            session.on_close("the amp_patch logger's level and handler", restore_logging)
         # The session's serial, not the session: a closed session must not be kept alive.
         object.__setattr__(self, "_verbosity", (_serial(_session.current()), value))
 

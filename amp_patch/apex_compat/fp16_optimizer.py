@@ -23,6 +23,7 @@ from torch import Tensor
 
 from amp_patch import ops, scaler as _scaler
 from amp_patch.apex_compat.amp_state import LossScalerView
+from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.optim.masters import MasterWeights
 from amp_patch.scaler import group_by_device_and_dtype
 
@@ -30,7 +31,6 @@ __all__ = ["FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
 
 logger = logging.getLogger("amp_patch")
 
-_HALF = (torch.float16, torch.bfloat16)
 #: ``dynamic_loss_args`` keys and defaults: those of Apex's ``apex.amp.scaler.LossScaler``.
 _DYNAMIC_DEFAULTS = {"init_scale": 2.0**16, "scale_factor": 2.0, "scale_window": 2000,
                      "min_loss_scale": None, "max_loss_scale": 2.0**24}
@@ -227,11 +227,11 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         for gi, group in enumerate(self.optimizer.param_groups):
             trainable = [p for p in group["params"] if p.requires_grad]
             for param in trainable:
-                if param.dtype not in _HALF and param.dtype != torch.float32:
+                if param.dtype not in HALF_DTYPES and param.dtype != torch.float32:
                     raise TypeError(f"FP16_Optimizer: param group {gi} holds a {param.dtype} "
                                     f"parameter of shape {tuple(param.shape)}; expected "
                                     "float16, bfloat16 or float32")
-            half = [p for p in trainable if p.dtype in _HALF]
+            half = [p for p in trainable if p.dtype in HALF_DTYPES]
             self._masters.attach({"params": list(half)}, self.optimizer.state)
             masters = [self._masters.master_for(p) for p in half]
             params = group["params"]
@@ -487,19 +487,38 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
                              f"dynamic_loss_scale={bool(state_dict['dynamic_loss_scale'])}; this "
                              f"FP16_Optimizer was built with {self.dynamic_loss_scale}")
         saved = state_dict["fp32_from_fp16"]
-        shapes = [[tuple(m.shape) for m in g] for g in self.fp32_from_fp16_groups]
-        if [[tuple(m.shape) for m in g] for g in saved] != shapes:
-            raise ValueError("FP16_Optimizer.load_state_dict: the saved masters do not match this "
-                             "optimizer's half params (different groups, counts or shapes)")
-        self._scaler.load_state_dict(state_dict["loss_scaler"])
+        self._check_saved_masters(saved)
+        scale_state = state_dict["loss_scaler"]
+        self._scaler.check_state_dict(scale_state)
+        # Everything else is checked: the wrapped optimizer's load is the one step left that can
+        # fail, and torch's checks its input before it changes anything.
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self._scaler.load_state_dict(scale_state)
         self.overflow = bool(state_dict["overflow"])
         self.first_closure_call_this_step = bool(
             state_dict.get("first_closure_call_this_step", True))
-        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         with torch.no_grad():
             for current_group, saved_group in zip(self.fp32_from_fp16_groups, saved):
                 for current, value in zip(current_group, saved_group):
                     current.copy_(value)
+
+    def _check_saved_masters(self, saved: Any) -> None:
+        """Raise ValueError, naming what was expected, unless ``saved`` matches the masters."""
+        counts = [len(g) for g in self.fp32_from_fp16_groups]
+        if not isinstance(saved, (list, tuple)) or [
+                len(g) if isinstance(g, (list, tuple)) else None for g in saved] != counts:
+            raise ValueError("FP16_Optimizer.load_state_dict: the saved masters do not match this "
+                             f"optimizer's half params: expected {len(counts)} groups of "
+                             f"{counts} fp32 tensors (its param groups' half params)")
+        for gi, (current_group, saved_group) in enumerate(zip(self.fp32_from_fp16_groups, saved)):
+            for i, (current, value) in enumerate(zip(current_group, saved_group)):
+                if not isinstance(value, Tensor) or value.shape != current.shape \
+                        or value.dtype != current.dtype:
+                    got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                           if isinstance(value, Tensor) else type(value).__name__)
+                    raise ValueError(f"FP16_Optimizer.load_state_dict: saved fp32_from_fp16 group "
+                                     f"{gi}, master {i}: {got}; expected {current.dtype} of "
+                                     f"shape {tuple(current.shape)}")
 
     # ------------------------------------------------------------- properties
 

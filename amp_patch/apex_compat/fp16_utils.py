@@ -20,6 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from amp_patch.apex_compat.fp16_optimizer import DynamicLossScaler, FP16_Optimizer, LossScaler
+from amp_patch.model import cast_module, cast_own_tensors
 
 __all__ = [
     "FP16_Optimizer",
@@ -121,7 +122,9 @@ def network_to_half(network: nn.Module, dtype: torch.dtype | None = None) -> nn.
 def convert_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast the floating parameters and buffers of ``module`` itself (not its children) to ``dtype``.
 
-    Their grads are cast too; the tensors stay the same objects (``.data`` is replaced).
+    Every floating dtype is cast, float64 included, as Apex did; their grads
+    are cast too, and the tensors stay the same objects
+    (:func:`amp_patch.model.cast_own_tensors`).
 
     Args:
         module (torch.nn.Module): the module.
@@ -136,16 +139,15 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
         >>> convert_module(seq, torch.bfloat16)[0].weight.dtype    # the child is not cast
         torch.float32
     """
-    for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-        if t.is_floating_point():
-            t.data = t.data.to(dtype)
-            if t.grad is not None:
-                t.grad.data = t.grad.data.to(dtype)
+    cast_own_tensors(module, dtype, castable=None)
     return module
 
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast ``network`` to ``dtype``, leaving affine batch norms in fp32, in place.
+    """Cast ``network`` to ``dtype`` in place, leaving affine batch norms as they are.
+
+    Each other module is cast as by :func:`convert_module`; recurrent modules
+    then flatten their weights again, as Apex did.
 
     Args:
         network (torch.nn.Module): the model.
@@ -160,10 +162,10 @@ def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
         >>> net[0].weight.dtype, net[1].weight.dtype
         (torch.float16, torch.float32)
     """
+    cast_module(network, dtype, keep_batchnorm_fp32=True, castable=None)
     for m in network.modules():
-        if isinstance(m, _BatchNorm) and m.affine:
-            continue
-        convert_module(m, dtype)
+        if isinstance(m, nn.RNNBase):
+            m.flatten_parameters()
     return network
 
 

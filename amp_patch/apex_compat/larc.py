@@ -103,6 +103,10 @@ class LARC:
         """Register ``hook`` on the wrapped optimizer (as amp's checkpoint of the masters does)."""
         return self.optim.register_load_state_dict_pre_hook(hook, prepend=prepend)
 
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register ``hook`` on the wrapped optimizer (as amp's checkpoint of the masters does)."""
+        return self.optim.register_load_state_dict_post_hook(hook, prepend=prepend)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the wrapped optimizer's grads."""
         self.optim.zero_grad(set_to_none=set_to_none)

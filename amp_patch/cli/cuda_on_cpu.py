@@ -26,6 +26,9 @@ from typing import Any, Callable
 
 import torch
 
+import amp_patch
+from amp_patch.cpu_half import cpu_half_support
+from amp_patch.dtypes import check_half_dtype
 from amp_patch.patching.patcher import Patcher
 
 __all__ = ["CudaOnCpu", "CudaNotMappedError", "CpuStream", "CpuEvent", "MAPPED"]
@@ -300,10 +303,7 @@ class CudaOnCpu:
     """
 
     def __init__(self, half_dtype: torch.dtype = torch.bfloat16) -> None:
-        if half_dtype not in _HALF_TENSOR_TYPES:
-            raise ValueError(
-                f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype}")
-        self.half_dtype = half_dtype
+        self.half_dtype = check_half_dtype(half_dtype)
         self.index = 0
         self.default_stream = CpuStream()
         self._streams = [self.default_stream]
@@ -397,8 +397,6 @@ class CudaOnCpu:
     def _patch_torch_cuda(self) -> None:
         cuda, rng = torch.cuda, torch.random
         get_state, set_state, initial_seed = rng.get_rng_state, rng.set_rng_state, rng.initial_seed
-        from amp_patch import cpu_half_support
-
         name = f"CPU ({cpu_half_support().cpu}) under amp-patch run --device cpu"
 
         def set_device(device: Any) -> None:
@@ -543,8 +541,6 @@ class CudaOnCpu:
             self._patch(torch.distributed, "init_process_group", _map_init_process_group)
 
     def _patch_amp_patch(self) -> None:
-        import amp_patch
-
         half = self.half_dtype
 
         def initialize(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from amp_patch import cpu_half
 from amp_patch.cli.trainer import HALF_DTYPES
 
 __all__ = [
@@ -107,11 +108,9 @@ class HostFacts:
             threads (int, optional): the measuring processes' torch threads.
                 Default: this process's ``torch.get_num_threads()``.
         """
-        from amp_patch import cpu_half_support
-
         device = torch.device(device)
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        support = cpu_half_support()
+        support = cpu_half.cpu_half_support()
         half = support.as_dict() if device.type == "cpu" else None
         return cls(device=str(device), cpu_model=support.cpu, cpus=cpu_count(),
                    threads=threads if threads is not None else torch.get_num_threads(),
@@ -295,8 +294,6 @@ def cpu_half_banner(facts: HostFacts, half_dtype: str) -> str | None:
     """
     if not facts.device.startswith("cpu"):
         return None
-    from amp_patch import cpu_half
-
     return cpu_half.banner(HALF_DTYPES[half_dtype], "auto")
 
 
@@ -308,8 +305,6 @@ def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
     """
     if not facts.device.startswith("cpu"):
         return None
-    from amp_patch import cpu_half
-
     return cpu_half.plan("auto", HALF_DTYPES[half_dtype]).as_dict()
 
 

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amp_patch.optimizers import FusedAdam
+
 __all__ = [
     "Workload",
     "LMConfig",
@@ -213,8 +215,6 @@ def lm(
         raise ValueError("LMConfig: choose one of fused (torch's AdamW) and fused_adam "
                          "(amp_patch's FusedAdam)")
     if cfg.fused_adam:
-        from amp_patch.optimizers import FusedAdam
-
         optimizer: torch.optim.Optimizer = FusedAdam(model.parameters(), lr=cfg.lr,
                                                      weight_decay=0.01)
     else:

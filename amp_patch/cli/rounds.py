@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from amp_patch.cli import models
 from amp_patch.cli.trainer import HALF_DTYPES, CpuPeak, LevelTrainer
 
 __all__ = ["JobSpec", "LevelRecord", "LevelPool", "measure", "split_steps", "median_step_seconds"]
@@ -180,8 +181,6 @@ class _Memory:
 def _serve(conn, level: str, spec: JobSpec) -> None:
     """A level's process: build the workload, then train chunks of steps when the parent asks."""
     try:
-        from amp_patch.cli import models
-
         if spec.threads:
             torch.set_num_threads(spec.threads)
         device = torch.device(spec.device)

@@ -7,10 +7,13 @@ sampler that both report.
 
 from __future__ import annotations
 
+import resource
 import sys
 from typing import Any, Callable
 
 import torch
+
+import amp_patch as amp
 
 __all__ = ["LEVELS", "AMP_LEVELS", "HALF_DTYPES", "LevelTrainer", "CpuPeak"]
 
@@ -56,13 +59,10 @@ class LevelTrainer:
                  half_dtype: torch.dtype, sample: Callable[[], None] | None = None) -> None:
         if level not in LEVELS:
             raise ValueError(f"unknown level {level!r}; choose from {', '.join(LEVELS)}")
-        import amp_patch as amp
-
         self.level = level
         self.device = device
         self.half_dtype = half_dtype
         self.loss_fn = loss_fn
-        self._amp = amp
         self._sample = sample or (lambda: None)
         self._grad_scaler = None
         if level in AMP_LEVELS:
@@ -89,7 +89,7 @@ class LevelTrainer:
         if self.level in AMP_LEVELS:
             loss = self.loss_fn(self.model, batch)
             self._sample()
-            with self._amp.scale_loss(loss, self.optimizer) as scaled:
+            with amp.scale_loss(loss, self.optimizer) as scaled:
                 scaled.backward()
             self._sample()
             self.optimizer.step()
@@ -114,7 +114,7 @@ class LevelTrainer:
     def loss_scale(self) -> float:
         """The current loss scale (1.0 when none is used). Synchronises with the device."""
         if self.level in AMP_LEVELS:
-            return float(self._amp.state_dict()["loss_scaler0"]["loss_scale"])
+            return float(amp.state_dict()["loss_scaler0"]["loss_scale"])
         if self._grad_scaler is not None:
             return float(self._grad_scaler.get_scale())
         return 1.0
@@ -122,7 +122,7 @@ class LevelTrainer:
     def close(self) -> None:
         """Undo :func:`amp_patch.initialize` (a no-op for autocast)."""
         if self.level in AMP_LEVELS:
-            self._amp.deinitialize()
+            amp.deinitialize()
 
 
 def _anon_rss_bytes() -> int | None:
@@ -163,7 +163,5 @@ class CpuPeak:
         """Bytes of peak memory above the baseline."""
         if self.baseline is not None:
             return self.peak - self.baseline
-        import resource
-
         maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return maxrss if sys.platform == "darwin" else maxrss * 1024

@@ -35,6 +35,9 @@ import torch
 from torch import nn
 
 from amp_patch import session as _session
+from amp_patch.frontend import check_scaler_states, load_state_dict, state_dict
+from amp_patch.model import named_parameters
+from amp_patch.optim import underlying_optimizer
 from amp_patch.optim.checkpoints import MASTERS_KEY
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -112,7 +115,14 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None, *,
     Raises:
         ValueError: the checkpoint's optimizer names other parameters than
             this optimizer steps, or an ``extra`` name is taken.
-        RuntimeError: ``dcp.load`` found an entry missing from the checkpoint.
+        RuntimeError: the checkpoint's loss scalers are not those of this
+            session's ``num_losses``.
+        torch.distributed.checkpoint.api.CheckpointException: ``dcp.load``
+            found an entry missing from the checkpoint, or of another shape
+            (a ``BaseException``, as DCP raises it).
+
+    These checks run before ``dcp.load`` writes the live tensors in place: a
+    checkpoint that fails them changes nothing.
 
     Example::
 
@@ -130,25 +140,62 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None, *,
     models, optimizers = _as_list(model), _as_list(optimizer)
     optimizer_keys = [_key("optimizer", i, len(optimizers)) for i in range(len(optimizers))]
     _drop_what_was_not_saved(state, keys, optimizer_keys)
+    session = _session.current()
+    names = _names(models)
+
+    # dcp.load writes the live tensors in place, so whatever can be checked is checked first,
+    # on the checkpoint's plain entries (param groups, loss scalers), read on their own.
+    plain = _read_plain_entries(state, keys, optimizer_keys, reader, checkpoint_id, process_group)
+    groups = [_checked_groups(opt, plain[f"{key}.param_groups"], names, session)
+              for opt, key in zip(optimizers, optimizer_keys)]
+    amp_state = None
+    if "amp" in state:
+        amp_state = _nested(plain, "amp")
+        check_scaler_states(session, amp_state)
+        del state["amp"]
+    for key in optimizer_keys:
+        del state[key]["param_groups"]
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=reader,
                  process_group=process_group)
 
-    session = _session.current()
-    names = _names(models)
     for i, opt in enumerate(optimizers):
-        _load_optimizer(opt, state[_key("optimizer", i, len(optimizers))], names, session)
+        _load_optimizer(opt, state[optimizer_keys[i]], groups[i], names, session)
     for i, m in enumerate(models):
         _unwrap(m).load_state_dict(state[_key("model", i, len(models))])
-    if "amp" in state:
-        from amp_patch.frontend import load_state_dict
-
-        load_state_dict(state["amp"])
+    if amp_state is not None:
+        load_state_dict(amp_state)
     for kind, value in next(iter(state["rng"].values()), {}).items():
         _set_rng(kind, value)
     if extra is not None:
         for name in extra:
             extra[name] = state[name]
+
+
+def _read_plain_entries(state: dict[str, Any], keys: set[str], optimizer_keys: list[str],
+                        reader, checkpoint_id, process_group) -> dict[str, Any]:
+    """The optimizers' param groups and, when amp's state is to be loaded, every loss scaler's
+    entry the checkpoint holds: flat DCP keys to their values."""
+    import torch.distributed.checkpoint as dcp
+
+    # A dotted top-level key is the flat key DCP would make of the nested one.
+    plain: dict[str, Any] = {f"{key}.param_groups": None for key in optimizer_keys}
+    if "amp" in state:
+        plain.update((k, None) for k in keys if k.startswith("amp."))
+    with _single_process_quiet():
+        dcp.load(plain, checkpoint_id=checkpoint_id, storage_reader=reader,
+                 process_group=process_group)
+    return plain
+
+
+def _nested(flat: dict[str, Any], prefix: str) -> dict[str, dict[str, Any]]:
+    """``{"amp.loss_scaler0.loss_scale": v, ...}`` as ``{"loss_scaler0": {"loss_scale": v}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(prefix + "."):
+            entry, field = key[len(prefix) + 1:].split(".", 1)
+            out.setdefault(entry, {})[field] = value
+    return out
 
 
 def _drop_what_was_not_saved(state: dict[str, Any], keys: set[str],
@@ -188,8 +235,6 @@ def _training_state(model, optimizer, extra, rng_rank: int | None) -> dict[str, 
     for i, opt in enumerate(optimizers):
         state[_key("optimizer", i, len(optimizers))] = _optimizer_state(opt, names, session)
     if session is not None and session.props.enabled:
-        from amp_patch.frontend import state_dict
-
         state["amp"] = state_dict()
     state["rng"] = {} if rng_rank is None else {f"rank{rng_rank}": _rng_state()}
     for name, value in (extra or {}).items():
@@ -202,7 +247,7 @@ def _training_state(model, optimizer, extra, rng_rank: int | None) -> dict[str, 
 
 def _optimizer_state(optimizer, names: dict[int, str], session) -> dict[str, Any]:
     """The optimizer's state dict keyed by parameter name (the model parameter behind a master)."""
-    opt = _inner(optimizer)
+    opt = underlying_optimizer(optimizer)
     _materialize_state(opt, session)
     sd = opt.state_dict()
     flat = _stepped_names(opt, names, session)
@@ -217,11 +262,16 @@ def _optimizer_state(optimizer, names: dict[int, str], session) -> dict[str, Any
     return out
 
 
-def _load_optimizer(optimizer, saved: dict[str, Any], names: dict[int, str], session) -> None:
-    opt = _inner(optimizer)
+def _checked_groups(optimizer, saved_groups, names: dict[int, str], session) -> list[dict]:
+    """The checkpoint's param groups with this optimizer's flat indices for parameter names.
+
+    Raises:
+        ValueError: the groups are not as many as this optimizer's, or one
+            steps other parameters.
+    """
+    opt = underlying_optimizer(optimizer)
     flat = _stepped_names(opt, names, session)
-    index = {name: i for i, name in enumerate(flat)}
-    groups = list(saved["param_groups"])
+    groups = list(saved_groups)
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"the checkpoint's optimizer has {len(groups)} param groups, this "
                          f"{type(opt).__name__} has {len(opt.param_groups)}")
@@ -236,8 +286,15 @@ def _load_optimizer(optimizer, saved: dict[str, Any], names: dict[int, str], ses
                              f"only in the checkpoint {extra[:5]}")
         new_groups.append(dict(group, params=list(range(start, start + len(mine)))))
         start += len(mine)
+    return new_groups
+
+
+def _load_optimizer(optimizer, saved: dict[str, Any], groups: list[dict],
+                    names: dict[int, str], session) -> None:
+    opt = underlying_optimizer(optimizer)
+    index = {name: i for i, name in enumerate(_stepped_names(opt, names, session))}
     sd: dict[str, Any] = {"state": {index[n]: v for n, v in saved["state"].items()},
-                          "param_groups": new_groups}
+                          "param_groups": groups}
     if MASTERS_KEY in saved:
         sd[MASTERS_KEY] = {index[n]: v for n, v in saved[MASTERS_KEY].items()}
     else:
@@ -319,8 +376,6 @@ def _rank(process_group) -> int:
 
 
 def _names(models: list[nn.Module]) -> dict[int, str]:
-    from amp_patch.model import named_parameters
-
     return {id(p): name for name, p in named_parameters([_unwrap(m) for m in models])}
 
 
@@ -334,12 +389,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def _inner(optimizer):
-    from amp_patch.optim import underlying_optimizer
-
-    return underlying_optimizer(optimizer)
 
 
 def _as_list(value) -> list:

@@ -51,6 +51,9 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import Tensor, nn
 
+from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.model import kept_fp32
+
 if TYPE_CHECKING:
     from amp_patch.session import AmpSession
 
@@ -218,9 +221,6 @@ def prepare(session: "AmpSession") -> ShardingPlan | None:
         >>> model._get_fsdp_state()._mp_policy.param_dtype
         torch.bfloat16
     """
-    from amp_patch.model import kept_fp32
-    from amp_patch.optim.masters import HALF_DTYPES
-
     states = fsdp_states(session.models)
     if not states:
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch import Tensor
 
 from amp_patch.optim.masters import MasterWeights
 
@@ -24,6 +25,11 @@ MASTERS_KEY = "amp_master_params"
 def install_optimizer_hooks(optimizer: torch.optim.Optimizer, masters: MasterWeights,
                             before_save: Callable[[], None]) -> list[Any]:
     """Register the hooks that save and load ``masters`` with ``optimizer``'s state dict.
+
+    A load checks every saved master (which parameters have one, their shapes
+    and dtypes) before the optimizer's own checks, and copies them only after
+    ``Optimizer.load_state_dict`` has succeeded: a load that raises leaves the
+    masters, the model and the optimizer state as they were.
 
     Args:
         optimizer (torch.optim.Optimizer): the optimizer stepping the masters.
@@ -40,39 +46,61 @@ def install_optimizer_hooks(optimizer: torch.optim.Optimizer, masters: MasterWei
         >>> "amp_master_params" in opt.state_dict()
         True
     """
+    hooks = _MasterHooks(masters, before_save)
+    return [optimizer.register_state_dict_post_hook(hooks.save),
+            optimizer.register_load_state_dict_pre_hook(hooks.check),
+            optimizer.register_load_state_dict_post_hook(hooks.copy)]
 
-    def save(opt, state_dict: dict) -> dict:
-        before_save()
+
+class _MasterHooks:
+    """The state-dict hooks of one optimizer's masters, and the copies a load has checked."""
+
+    def __init__(self, masters: MasterWeights, before_save: Callable[[], None]) -> None:
+        self.masters = masters
+        self.before_save = before_save
+        # (master, value) pairs checked by the pre-hook, copied by the post-hook; a load that
+        # fails in between leaves them here until the next load replaces them.
+        self._pending: list[tuple[Tensor, Tensor]] = []
+
+    def save(self, opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        self.before_save()
         flat = _flat_params(opt)
-        state_dict[MASTERS_KEY] = {i: p for i, p in enumerate(flat) if masters.is_master(p)}
+        state_dict[MASTERS_KEY] = {i: p for i, p in enumerate(flat) if self.masters.is_master(p)}
         return state_dict
 
-    @torch.no_grad()
-    def load(opt, state_dict: dict) -> dict:
+    def check(self, opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        self._pending = []
         state_dict = dict(state_dict)
         saved = state_dict.pop(MASTERS_KEY, None)
         flat = _flat_params(opt)
         if saved is None:
-            for model_p, master in masters.pairs(flat):
-                master.copy_(model_p)
+            self._pending = [(master, model_p) for model_p, master in self.masters.pairs(flat)]
             return state_dict
+        expected = [i for i, p in enumerate(flat) if self.masters.is_master(p)]
+        found = sorted(int(i) for i in saved)
+        if found != expected:
+            raise ValueError(
+                f"the checkpoint holds fp32 masters for parameters {found}; expected {expected} "
+                "(the flat indices of this optimizer's half parameters); was it saved with the "
+                "same model, param groups and opt level?")
+        pending = []
         for i, value in saved.items():
-            if not (0 <= int(i) < len(flat)) or not masters.is_master(flat[int(i)]):
-                raise ValueError(
-                    f"the checkpoint has an fp32 master for parameter {i}, which is not a half "
-                    "parameter of this optimizer; was it saved with the same model and opt level?"
-                )
             master = flat[int(i)]
-            if master.shape != value.shape:
-                raise ValueError(
-                    f"master weight {i}: checkpoint shape {tuple(value.shape)} differs from "
-                    f"{tuple(master.shape)}"
-                )
-            master.copy_(value)
+            if not isinstance(value, Tensor) or value.shape != master.shape \
+                    or value.dtype != master.dtype:
+                got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                       if isinstance(value, Tensor) else type(value).__name__)
+                raise ValueError(f"master weight {i} of the checkpoint: {got}; expected "
+                                 f"{master.dtype} of shape {tuple(master.shape)}")
+            pending.append((master, value))
+        self._pending = pending
         return state_dict
 
-    return [optimizer.register_state_dict_post_hook(save),
-            optimizer.register_load_state_dict_pre_hook(load)]
+    @torch.no_grad()
+    def copy(self, opt: torch.optim.Optimizer) -> None:
+        pending, self._pending = self._pending, []
+        for master, value in pending:
+            master.copy_(value)
 
 
 def _flat_params(optimizer: torch.optim.Optimizer) -> list:

@@ -17,12 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from amp_patch import ops
+from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.scaler import group_by_device_and_dtype
 
-__all__ = ["MasterWeights", "match_state_to_params", "HALF_DTYPES"]
-
-#: Parameter dtypes that get an fp32 master.
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+__all__ = ["MasterWeights", "match_state_to_params"]
 
 
 class MasterWeights:

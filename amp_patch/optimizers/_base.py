@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
+from amp_patch.dtypes import HALF_DTYPES
 
 logger = logging.getLogger("amp_patch")
 
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass
@@ -233,7 +233,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return master
 
     def _uses_master(self, p: Tensor) -> bool:
-        return self.master_weights and p.dtype in _HALF
+        return self.master_weights and p.dtype in HALF_DTYPES
 
     def _flags(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
         """(noop, inv_scale) for one device: from the step inputs, else none."""

@@ -28,7 +28,7 @@ import types
 import torch
 import torch.nn.modules.rnn as _rnn_module
 
-from amp_patch.patching.wrappers import CASTABLE
+from amp_patch.dtypes import CASTABLE_DTYPES
 
 __all__ = ["vf_module", "allow_half_inputs"]
 
@@ -65,7 +65,7 @@ def allow_half_inputs(patcher, state) -> None:
         def check_input(self, input, batch_sizes):
             weight = self._flat_weights[0] if self._flat_weights else None
             if (state.enabled and weight is not None and input.dtype is not weight.dtype
-                    and input.dtype in CASTABLE and weight.dtype in CASTABLE):
+                    and input.dtype in CASTABLE_DTYPES and weight.dtype in CASTABLE_DTYPES):
                 # Only dtype, dim() and size(-1) are read: a meta tensor allocates nothing.
                 input = torch.empty(input.shape, dtype=weight.dtype, device="meta")
             return original(self, input, batch_sizes)

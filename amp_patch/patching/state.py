@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 
 from amp_patch import session as _session
+from amp_patch.dtypes import check_half_dtype
 from amp_patch.patching.cache import WeightCastCache
 
 __all__ = ["CastState", "disable_casts", "active"]
@@ -41,9 +42,7 @@ class CastState:
 
     def __init__(self, half_dtype: torch.dtype, allow_banned: bool = False,
                  enable_caching: bool = True) -> None:
-        if half_dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype!r}")
-        self.half_dtype = half_dtype
+        self.half_dtype = check_half_dtype(half_dtype)
         self.allow_banned = allow_banned
         self.enabled = True
         # Open disable_casts blocks: a count, not a saved flag, so that blocks

@@ -37,17 +37,15 @@ from typing import Any, Callable
 import torch
 
 from amp_patch import ops as _ops
+from amp_patch.dtypes import CASTABLE_DTYPES, HALF_DTYPES
 
-__all__ = ["Policy", "make_wrapper", "apply_policy", "native_available", "CASTABLE"]
+__all__ = ["Policy", "make_wrapper", "apply_policy", "native_available"]
 
 _Tensor = torch.Tensor
 _FP32 = torch.float32
-_HALVES = frozenset((torch.float16, torch.bfloat16))
-#: The only dtypes that O1 ever casts from or to.
-CASTABLE = frozenset((torch.float16, torch.bfloat16, torch.float32))
 _SEQUENCES = (list, tuple)
 #: For each castable dtype, the other castable dtypes: what an in-place op would cast.
-_OTHERS = {d: CASTABLE - {d} for d in CASTABLE}
+_OTHERS = {d: CASTABLE_DTYPES - {d} for d in CASTABLE_DTYPES}
 #: Returned by :func:`_promote_scan` once two floating dtypes were seen.
 _MIXED = object()
 
@@ -72,7 +70,7 @@ _compiling = torch.compiler.is_compiling
 def _native_type():
     if not _ops.native_extension_loaded():
         return None
-    from amp_patch import _C
+    from amp_patch import _C  # not at the top: the compiled extension is optional
     return getattr(_C, "CastWrapper", None)
 
 
@@ -100,7 +98,7 @@ def native_available() -> bool:
 def _collect(obj: Any, found: set) -> None:
     """Add the castable floating dtypes in ``obj`` (tensors, nested lists/tuples/dicts) to ``found``."""
     if isinstance(obj, _Tensor):
-        if obj.dtype in CASTABLE:
+        if obj.dtype in CASTABLE_DTYPES:
             found.add(obj.dtype)
     elif isinstance(obj, (list, tuple)):
         for item in obj:
@@ -133,7 +131,7 @@ def _promote_scan(items, first):
     for a in items:
         if isinstance(a, _Tensor):
             d = a.dtype
-            if d in CASTABLE:
+            if d in CASTABLE_DTYPES:
                 if first is None:
                     first = d
                 elif d is not first:
@@ -268,7 +266,7 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
             found: set = set()
             _collect(args, found)
             _collect(_inputs(kwargs), found)
-            half = found & _HALVES
+            half = found & HALF_DTYPES
             if half:
                 text = message or (f"{name} is banned under O1 for half inputs ({{dtype}}); "
                                    "pass allow_banned=True to run it in fp32")
@@ -291,9 +289,9 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
         cache = None
     else:
         this = args[0] if args else None
-        if not isinstance(this, _Tensor) or this.dtype not in CASTABLE:
+        if not isinstance(this, _Tensor) or this.dtype not in CASTABLE_DTYPES:
             return fn(*args, **kwargs)
-        if policy is Policy.IN_PLACE_FP32 and this.dtype in _HALVES:
+        if policy is Policy.IN_PLACE_FP32 and this.dtype in HALF_DTYPES:
             raise NotImplementedError(
                 f"amp_patch O1: {name} runs in fp32, so its in-place form cannot store the "
                 f"result in a {this.dtype} tensor; use the out-of-place form "
@@ -310,7 +308,7 @@ def _python_wrapper(policy: Policy, original: Callable, state, name: str,
     """The whole policy in Python: the fallback of the C wrapper, and the wrapper without it."""
     if policy is Policy.HALF or policy is Policy.FP32:
         target = state.half_dtype if policy is Policy.HALF else _FP32
-        needs = _OTHERS[target] if policy is Policy.HALF else _HALVES
+        needs = _OTHERS[target] if policy is Policy.HALF else HALF_DTYPES
         cache = state.cache
 
         # The commonest wrappers scan and cast in one pass, skipping apply_policy.
@@ -326,7 +324,7 @@ def _python_wrapper(policy: Policy, original: Callable, state, name: str,
                     return original(*cast, **kwargs)
             return original(*args, **kwargs)
     elif policy is Policy.BANNED:
-        needs = _HALVES
+        needs = HALF_DTYPES
 
         def wrapper(*args, **kwargs):
             if state.enabled and (_needs_cast(args, needs)
@@ -351,7 +349,7 @@ def _python_wrapper(policy: Policy, original: Callable, state, name: str,
         def wrapper(*args, **kwargs):
             if state.enabled and args:
                 this = args[0]
-                if isinstance(this, _Tensor) and this.dtype in CASTABLE:
+                if isinstance(this, _Tensor) and this.dtype in CASTABLE_DTYPES:
                     needs = _OTHERS[this.dtype]
                     if ((policy is Policy.IN_PLACE_FP32 and this.dtype is not _FP32)
                             or _needs_cast(args[1:], needs)
