@@ -620,3 +620,18 @@ def test_compare_ranks_on_cuda_use_nccl_and_a_gpu_each(tmp_path):
         assert r["ok"] and r["memory_kind"] == "cuda_max_allocated"
         assert len(r["rank_peak_memory_bytes"]) == nproc and min(r["rank_peak_memory_bytes"]) > 0
         assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
+
+
+def test_a_level_that_died_between_chunks_fails_alone(tmp_path, monkeypatch):
+    """Its pipe is broken when the next chunk is asked for: the level fails, compare goes on."""
+    (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with rounds.LevelPool(rounds.JobSpec("user_models:make"), ["O0"]) as pool:
+        pool.start()
+        assert pool.train("O0", 1)
+        pool._procs["O0"].kill()  # as the OOM killer would, while the level waits for orders
+        pool._procs["O0"].join()
+        assert not pool.train("O0", 1)
+    assert "exit code -9" in pool.records["O0"].error and pool.records["O0"].losses
+    sys.modules.pop("user_models", None)

@@ -440,7 +440,10 @@ class LevelPool:
         """
         if level not in self.alive:
             return False
-        self._conns[level].send(("train", steps))
+        try:
+            self._conns[level].send(("train", steps))
+        except OSError:
+            pass  # it died waiting for this order: _receive reads its last words, or its death
         chunk = self._receive(level, "chunk")
         if chunk is None:
             return False
