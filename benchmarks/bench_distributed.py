@@ -1,8 +1,9 @@
 """Per-rank memory of the built-in LM at O0-O3 under DDP and FSDP2, with 1, 2 and 4 ranks.
 
-Every configuration (mode, level, ranks) runs in its own fresh process group:
-the ranks are processes of this script (``--worker``), on gloo over the CPU
-(NCCL and one GPU per rank where CUDA is available). Each rank builds the LM
+Every configuration (mode, level, ranks) runs in its own fresh process group,
+launched as ``amp-patch compare --nproc`` launches its ranks
+(``amp_patch/cli/ranks.py``: torch's elastic agent, gloo over the CPU, NCCL
+and one GPU per rank where CUDA is available). Each rank builds the LM
 (``amp_patch/cli/models.py``; ``BENCH_LM`` by default), wraps it in
 DistributedDataParallel or shards it with ``fully_shard`` (each block, then
 the root, the usual recipe), runs ``amp_patch.initialize`` at the level with
@@ -29,12 +30,8 @@ steps, 1 and 2 ranks, and writes nothing.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import amp_patch as amp
-from amp_patch.cli import models
+from amp_patch.cli import models, ranks
 from amp_patch.distributed.fsdp import local_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -88,19 +85,12 @@ def train(cfg: models.LMConfig, mode: str, level: str, steps: int, device) -> in
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer, batch_fn, loss_fn = models.lm(device=device, config=cfg)
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        # The optimizer steps the sharded parameters: build it after fully_shard.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+        ranks.shard(model, optimizer)
     model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
-    net = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
+    net = ranks.wrap_ddp(model, device) if mode == "ddp" else model
     state = 0
     for step in range(steps):
-        tokens = batch_fn(step).chunk(world)[rank]
-        loss = loss_fn(net, tokens)
+        loss = loss_fn(net, ranks.local_batch(batch_fn(step), rank, world))
         with amp.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
         state = max(state, _state_bytes(model, optimizer))
@@ -116,12 +106,11 @@ def train(cfg: models.LMConfig, mode: str, level: str, steps: int, device) -> in
 WARMUP_LM = models.LMConfig(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=4)
 
 
-def worker(mode: str, level: str, lm_name: str, steps: int, out: Path) -> None:
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda" if cuda else "cpu")
+def worker(mode: str, level: str, lm_name: str, steps: int, world: int) -> dict:
+    """One rank: its state bytes and peak memory."""
+    torch.set_num_threads(ranks.rank_threads(world, os.cpu_count() or 1))
+    device = ranks.init_process_group("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
     train(WARMUP_LM, mode, level, 2, device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -130,10 +119,8 @@ def worker(mode: str, level: str, lm_name: str, steps: int, out: Path) -> None:
         baseline = _reset_peak()
     state = train(LMS[lm_name], mode, level, steps, device)
     peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - baseline
-    (out / f"{dist.get_rank()}.json").write_text(json.dumps({"state": state, "peak": peak}))
-    gc.collect()  # FSDP's reference cycles, freed while the process group lives
-    dist.barrier()  # no rank tears gloo down while another is still in destroy_process_group
-    dist.destroy_process_group()
+    ranks.close_process_group()
+    return {"state": state, "peak": peak}
 
 
 # --------------------------------------------------------------------------- the table
@@ -141,34 +128,12 @@ def worker(mode: str, level: str, lm_name: str, steps: int, out: Path) -> None:
 
 def run(mode: str, level: str, world: int, lm_name: str, steps: int) -> dict:
     """One configuration in a fresh process group; the largest numbers over its ranks."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        with socket_port() as port:
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       WORLD_SIZE=str(world), OMP_NUM_THREADS=str(threads(world)))
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", mode, level, lm_name,
-                                   str(steps), str(out)],
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-                 for r in range(world)]
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise RuntimeError(f"{mode} {level} x{world}: exit codes {codes}")
-        ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
-    return {"state": max(r["state"] for r in ranks), "peak": max(r["peak"] for r in ranks)}
-
-
-class socket_port:
-    """A free TCP port on 127.0.0.1, released when the block ends (the ranks bind it after)."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        return self._sock.getsockname()[1]
-
-    def __exit__(self, *exc) -> None:
-        self._sock.close()
+    try:
+        per_rank = ranks.launch(world, worker, mode, level, lm_name, steps, world)
+    except Exception as exc:
+        raise RuntimeError(f"{mode} {level} x{world}: {ranks.failure_text(exc)}") from None
+    return {"state": max(r["state"] for r in per_rank.values()),
+            "peak": max(r["peak"] for r in per_rank.values())}
 
 
 def host() -> str:
@@ -177,23 +142,13 @@ def host() -> str:
             f"torch.ops.mkldnn._is_mkldnn_bf16_supported() = {bf16}")
 
 
-def threads(world: int) -> int:
-    """Intra-op threads of each rank: the cores shared out."""
-    return max(1, (os.cpu_count() or 1) // world)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lm", choices=sorted(LMS), default="bench")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true",
                         help="the small LM, two steps, 1 and 2 ranks, nothing written")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        mode, level, lm_name, steps, out = args.worker
-        worker(mode, level, lm_name, int(steps), Path(out))
-        return
     lm_name, steps, worlds = (("compare", 2, (1, 2)) if args.quick
                               else (args.lm, args.steps, WORLDS))
     rows, started = [], time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -10,14 +11,18 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
 
-from amp_patch.cli import compare, machine, rounds
+from rich.console import Console
+
+from amp_patch.cli import compare, machine, ranks, rounds
 from amp_patch.cli import main as cli_main
 from amp_patch.cli import models
+from amp_patch.cli.options import UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -196,6 +201,16 @@ def no_workers(monkeypatch):
     (["--steps", "5", "--warmup", "5"], "--warmup must be at least 0 and less than --steps (5)"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--half-dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--nproc", "0"], "--nproc must be at least 1 (ranks per level), got 0"),
+    (["--nproc", "-2"], "--nproc must be at least 1 (ranks per level), got -2"),
+    (["--strategy", "zero"], "invalid choice: 'zero'"),
+    (["--nproc", "3"], "--nproc 3: the global batch of 8 (the default of --model lm) does not "
+                       "split evenly over 3 ranks; expected a --batch-size that is a multiple "
+                       "of 3"),
+    (["--nproc", "2", "--batch-size", "5"], "the global batch of 5 (--batch-size) does not split"),
+    (["--nproc", "2", "--model", "user_models:odd_batch"],
+     "the global batch of 7 (the default of --model user_models:odd_batch) does not split"),
+    (["--nproc", "2", "--device", "cuda"], "CUDA is not available"),
 ])
 def test_compare_usage_errors_exit_2(args, message, tmp_path, monkeypatch, capsys, no_workers):
     if args[:1] == ["--device"] and args[1].startswith("cuda") and torch.cuda.device_count() > 7:
@@ -204,6 +219,9 @@ def test_compare_usage_errors_exit_2(args, message, tmp_path, monkeypatch, capsy
         NOT_CALLABLE = 3
 
         def needs_x(x, device="cpu"):
+            return make(device)
+
+        def odd_batch(device="cpu", batch_size=7):
             return make(device)
     """))
     (tmp_path / "a_file.txt").write_text("")
@@ -330,6 +348,9 @@ def test_reliability_warnings():
     assert "busy before the run: 1-minute load average 1.80" in warnings[0]
     assert "other processes took 40%" in warnings[1]
     assert "O2 steps/s 60%" in warnings[2]
+    crowded = machine.reliability_warnings(quiet, {}, cpus=2, ranks=3)
+    assert crowded == [machine.oversubscribed(3, 2)] and "3 ranks per level on 2 CPUs" in crowded[0]
+    assert machine.oversubscribed(2, 2) is None
 
 
 def test_load_monitor_counts_other_processes():
@@ -370,3 +391,247 @@ def test_compare_warns_under_injected_load(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert any("other processes took" in w for w in data["warnings"])
     assert data["load"]["others_share"] > machine.OTHERS_SHARE_LIMIT
+
+
+# --------------------------------------------------------------------------- --nproc
+
+
+@pytest.mark.parametrize("args, strategy, nproc, crowded", [
+    ([], None, 1, False),
+    (["--nproc", "1"], None, 1, False),
+    (["--nproc", "2"], "ddp", 2, False),
+    (["--strategy", "fsdp2"], "fsdp2", 1, False),
+    (["--nproc", "4", "--strategy", "fsdp2"], "fsdp2", 4, True),
+])
+def test_compare_nproc_picks_the_strategy_and_warns_of_more_ranks_than_cpus(
+        args, strategy, nproc, crowded, monkeypatch, capsys):
+    monkeypatch.setattr(machine, "cpu_count", lambda: 2)
+
+    def stop(job, levels, *rest):
+        raise _Levels(job)
+
+    monkeypatch.setattr(compare, "run_compare", stop)
+    with pytest.raises(_Levels) as exc:
+        cli_main.main(["compare", "--device", "cpu", *args])
+    job = exc.value.args[0]
+    assert (job["strategy"], job["nproc"]) == (strategy, nproc)
+    out = capsys.readouterr().out
+    assert ("more ranks than CPUs" in out) == crowded
+    assert ("4 ranks per level on 2 CPUs" in out) == crowded
+
+
+def test_compare_nproc_on_cuda_needs_a_gpu_per_rank(monkeypatch):
+    # No GPU needed: the check reads the device count, which is faked here.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ns = cli_main.build_parser().parse_args(["compare", "--nproc", "2", "--device", "cuda:1"])
+    with pytest.raises(UsageError, match="rank r takes GPU cuda:r; pass --device cuda"):
+        compare._check_ranks(ns, torch.device("cuda", 1))
+    with pytest.raises(UsageError, match="NCCL needs a GPU per rank and 1 are visible"):
+        compare._check_ranks(ns, torch.device("cuda"))
+    ns.nproc = 1  # one process per level: no rank takes a GPU of its own
+    assert compare._check_ranks(ns, torch.device("cuda", 1)) is None
+
+
+def test_local_batch_splits_every_tensor_by_rows():
+    Batch = namedtuple("Batch", "x y")
+    batch = {"pair": (torch.arange(8).view(4, 2), torch.arange(4)), "scale": torch.tensor(2.0),
+             "named": Batch(torch.zeros(4, 3), [torch.ones(4)]), "name": "kept"}
+    half = ranks.local_batch(batch, rank=1, world=2)
+    assert torch.equal(half["pair"][0], torch.tensor([[4, 5], [6, 7]]))
+    assert torch.equal(half["pair"][1], torch.tensor([2, 3]))
+    assert half["scale"].item() == 2.0 and half["name"] == "kept"
+    assert isinstance(half["named"], Batch) and half["named"].x.shape == (2, 3)
+    assert half["named"].y[0].shape == (2,)
+    with pytest.raises(ValueError, match=r"shape \(4, 2\) has 4 rows, which do not split evenly "
+                                         r"over 3 ranks"):
+        ranks.local_batch(batch, rank=0, world=3)
+
+
+def test_the_first_failed_rank_is_reported(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    monkeypatch.setenv("AMP_PATCH_RANK_CLAIMS", str(tmp_path))
+    assert ranks.first_to_fail() and not ranks.first_to_fail()  # one claim per launch
+
+    def failure(rank, exitcode, text=None):
+        path = tmp_path / f"error{rank}.json"
+        if text is not None:
+            path.write_text(json.dumps({"message": {"message": text, "extraInfo": {
+                "py_callstack": f"Traceback (most recent call last):\n{text}\n",
+                "timestamp": "100"}}}))
+        return ProcessFailure(local_rank=rank, pid=1, exitcode=exitcode, error_file=str(path))
+
+    alike = ChildFailedError("fn", {0: failure(0, 1, "ValueError: no"),
+                                    1: failure(1, 1, "ValueError: no")})
+    assert ranks.failure_text(alike) == ("ranks 0, 1 failed (exit code 1):\n"
+                                         "Traceback (most recent call last):\nValueError: no")
+    killed = ChildFailedError("fn", {2: failure(2, -9)})
+    assert ranks.failure_text(killed) == "rank 2 ended with signal SIGKILL and left no traceback"
+
+
+def test_rank_peaks_in_the_result_and_the_table():
+    record = rounds.LevelRecord("O2", round_steps=[1, 1], round_seconds=[1.0, 1.0],
+                                round_peak_bytes=[5 * 2**20, 3 * 2**20],
+                                round_rank_peak_bytes=[[2**20, 5 * 2**20], [3 * 2**20, 2 * 2**20]],
+                                losses=[1.0, 0.5])
+    result = compare.LevelResult.from_record(record)
+    assert result.rank_peak_memory_bytes == [3 * 2**20, 5 * 2**20]
+    assert result.peak_memory_bytes == 5 * 2**20
+    assert result.to_json()["rank_peak_memory_bytes"] == [3 * 2**20, 5 * 2**20]
+    comparison = compare.Comparison([result], machine.HostFacts.collect("cpu"),
+                                    machine.LoadMonitor(), [1, 1], nproc=2, strategy="ddp")
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(compare.render_table(comparison, "t"))
+    text = buf.getvalue()
+    assert "per rank" in text and "3/5 MiB" in text and "5 MiB" in text
+    assert "each level over 2 ranks (DistributedDataParallel)" in text
+
+
+RANK_FAILURE = """
+
+def rank1_refuses_o3(device="cpu", seed=0):
+    import os
+    import amp_patch.session as s
+    model, opt, batch_fn, loss_fn = make(device, seed)
+    def bad_loss(model, x):
+        if x.shape[0] != 2:
+            raise ValueError(f"rank {os.environ['RANK']} got {x.shape[0]} rows, not its 2 of 4")
+        if s.current().props.opt_level == "O3" and os.environ["RANK"] == "1":
+            raise ValueError("rank 1 refuses O3")
+        return loss_fn(model, x)
+    return model, opt, batch_fn, bad_loss
+"""
+
+
+@pytest.mark.slow
+def test_compare_nproc_2_trains_each_level_over_two_ranks(tmp_path):
+    (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY) + RANK_FAILURE)
+    proc = _compare(tmp_path, "--model", "user_models:rank1_refuses_o3", "--steps", "3",
+                    "--nproc", "2", "--levels", "O0", "O2", "O3", "--json", "r.json",
+                    "--progress-interval", "0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # O3 failed, on rank 1 only
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert (data["config"]["nproc"], data["config"]["strategy"]) == (2, "ddp")
+    # One process on the whole batch, in fp32: what DDP's two halves must add up to.
+    scope: dict = {}
+    exec(textwrap.dedent(FACTORY), scope)
+    model, opt, batch_fn, loss_fn = scope["make"]()
+    reference = []
+    for step in range(3):
+        loss = loss_fn(model, batch_fn(step))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        reference.append(loss.item())
+    for level, tolerance in (("O0", 1e-6), ("O2", 2e-2)):
+        r = data["levels"][level]
+        assert r["ok"], r["error"]
+        assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
+        assert r["losses"] == pytest.approx(reference, rel=tolerance)
+        assert len(r["rank_peak_memory_bytes"]) == 2 and min(r["rank_peak_memory_bytes"]) > 0
+        assert r["peak_memory_bytes"] == max(r["rank_peak_memory_bytes"])
+        assert [len(p) for p in r["round_rank_peak_bytes"]] == [2, 2]
+    o3 = data["levels"]["O3"]
+    assert not o3["ok"] and "rank 1 failed" in o3["error"] and "rank 1 refuses O3" in o3["error"]
+    assert "2 ranks (DDP)" in proc.stdout and "per rank" in proc.stdout
+    assert "compare: O2 step 3/3 loss" in proc.stdout
+    assert "refuses" not in proc.stderr  # rank 1 is silent; compare itself reports the failure
+
+
+SHARD_ONE_RANK = r"""
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+import amp_patch as amp
+from amp_patch.cli import ranks
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv1d(4, 8, 1), nn.BatchNorm1d(8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        x = self.bn(self.conv(x)).flatten(1)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+torch.manual_seed(0)
+model = Net()
+decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+ranks.shard(model, opt)
+assert all(isinstance(m, FSDPModule) for m in (model, model.bn, *model.blocks))
+assert not isinstance(model.conv, FSDPModule)  # a plain layer stays in its parent's group
+sharded = dict(model.named_parameters())
+assert all(isinstance(p, DTensor) for p in sharded.values())
+assert [len(g["params"]) for g in opt.param_groups] == [len(decay), len(rest)]
+assert opt.param_groups[1]["weight_decay"] == 0.0
+assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in sharded.values()}
+model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)  # keep_batchnorm_fp32
+before = model.bn.weight.full_tensor().clone()
+loss = model(torch.randn(4, 4, 1)).float().pow(2).mean()
+with amp.scale_loss(loss, opt) as scaled:
+    scaled.backward()
+opt.step()
+assert model.bn.weight.dtype == torch.float32 and model.blocks[0].weight.dtype == torch.float32
+assert not torch.equal(before, model.bn.weight.full_tensor())
+amp.deinitialize()
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_shard_points_the_optimizer_at_the_sharded_parameters(tmp_path):
+    """--strategy fsdp2's recipe in a one-rank group: each batch norm and each block a group."""
+    proc = subprocess.run([sys.executable, "-c", SHARD_ONE_RANK, str(tmp_path / "rendezvous")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_shard_refuses_a_stepped_optimizer_and_stray_tensors():
+    # Both are refused before fully_shard is imported: no process group needed.
+    model = torch.nn.Linear(2, 2)
+    stepped = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    stepped.step()
+    with pytest.raises(ValueError, match="the optimizer has stepped already"):
+        ranks.shard(model, stepped)
+    stray = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match=r"steps 1 tensor\(s\) that are not parameters of the"):
+        ranks.shard(model, stray)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+def test_compare_ranks_on_cuda_use_nccl_and_a_gpu_each(tmp_path):
+    nproc = min(2, torch.cuda.device_count())
+    (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
+    proc = _compare(tmp_path, "--model", "user_models:make", "--device", "cuda", "--steps", "3",
+                    "--nproc", str(nproc), "--strategy", "ddp", "--levels", "O0", "O2",
+                    "--json", "r.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    for r in data["levels"].values():
+        assert r["ok"] and r["memory_kind"] == "cuda_max_allocated"
+        assert len(r["rank_peak_memory_bytes"]) == nproc and min(r["rank_peak_memory_bytes"]) > 0
+        assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
+
+
+def test_a_level_that_died_between_chunks_fails_alone(tmp_path, monkeypatch):
+    """Its pipe is broken when the next chunk is asked for: the level fails, compare goes on."""
+    (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with rounds.LevelPool(rounds.JobSpec("user_models:make"), ["O0"]) as pool:
+        pool.start()
+        assert pool.train("O0", 1)
+        pool._procs["O0"].kill()  # as the OOM killer would, while the level waits for orders
+        pool._procs["O0"].join()
+        assert not pool.train("O0", 1)
+    assert "exit code -9" in pool.records["O0"].error and pool.records["O0"].losses
+    sys.modules.pop("user_models", None)

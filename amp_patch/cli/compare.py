@@ -5,6 +5,8 @@ same batches, and the levels are timed round-robin (:mod:`amp_patch.cli.rounds`,
 shared with ``benchmarks/bench_e2e.py``). Each speed is the median over the
 timed rounds, with the min-max over rounds beside it; the host and its load
 are recorded, and a warning is printed when they make the ratios unreliable.
+With ``--nproc N`` each level trains data-parallel over N ranks of its own
+(:mod:`amp_patch.cli.ranks`), and every rank's peak memory is reported.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from amp_patch.cli import machine, models
+from amp_patch.cli import machine, models, ranks
 from amp_patch.cli.options import UsageError, check_output_dir, check_output_file, parse_device
 from amp_patch.cli.progress import make_progress
 from amp_patch.cli.rounds import JobSpec, LevelRecord, measure, split_steps
@@ -59,6 +61,16 @@ Peak memory is torch.cuda.max_memory_allocated on CUDA; on CPU it is the
 process's peak anonymous resident memory (heap, sampled after forward,
 backward and step) above its value before the model was built.
 
+--nproc N trains every level data-parallel over N processes (ranks) of its
+own process group, launched here as torchrun --standalone would (gloo on
+the CPU, NCCL with one GPU per rank on CUDA): --strategy ddp (the default)
+wraps the model in DistributedDataParallel, --strategy fsdp2 shards it with
+FSDP2's fully_shard. Each rank trains on its 1/N of every global batch
+(--batch-size is the global batch) with the CPUs shared out among the
+ranks; the loss shown is that of the whole batch, and peak memory is taken
+in every rank: the table shows the largest and each rank's, the JSON and
+the plot each rank's. Rank 0 reports; the others print nothing.
+
 --model takes a built-in name (lm: a small GPT-style transformer LM, the
 default; mlp; convnet: a conv net with BatchNorm) or pkg.module:factory, a
 function returning (model, optimizer, batch_fn, loss_fn), where batch_fn(step)
@@ -75,6 +87,8 @@ examples:
                                                      # results.json and compare.png
   amp-patch compare --model mlp --steps 50 --levels O0 O2 autocast
   amp-patch compare --model convnet --json r.json --plot r.png
+  amp-patch compare --nproc 2 --out out/             # each level over 2 DDP ranks
+  amp-patch compare --nproc 4 --strategy fsdp2 --levels O0 O2 O3
   amp-patch compare --model mypkg.models:make_workload --device cuda --half-dtype fp16
   amp-patch compare | tee log.txt                    # plain progress lines when not on a terminal
 """
@@ -99,8 +113,13 @@ class LevelResult:
         speedup_vs_O0 (float or None): median over rounds of this level's
             round speed over O0's in the same round.
         speedup_range (list of float or None): min and max of those ratios.
-        peak_memory_bytes (int or None): peak over the timed rounds; see ``memory_kind``.
-        round_peak_bytes (list of int): each timed round's peak.
+        peak_memory_bytes (int or None): peak over the timed rounds; see
+            ``memory_kind``. Over several ranks, the largest rank's.
+        round_peak_bytes (list of int): each timed round's peak (of the largest rank).
+        rank_peak_memory_bytes (list of int or None): over several ranks,
+            each rank's peak over the timed rounds, by rank; else None.
+        round_rank_peak_bytes (list of list of int): over several ranks, each
+            timed round's peak of each rank.
         memory_kind (str): ``"cuda_max_allocated"`` or ``"cpu_peak_anon_rss_delta"``.
         losses (list of float): the loss of every step, warm-up included.
         loss_scales (list of float): the loss scale after every step (1.0 when none is used).
@@ -120,6 +139,8 @@ class LevelResult:
     speedup_range: list[float] | None = None
     peak_memory_bytes: int | None = None
     round_peak_bytes: list[int] = field(default_factory=list)
+    rank_peak_memory_bytes: list[int] | None = None
+    round_rank_peak_bytes: list[list[int]] = field(default_factory=list)
     memory_kind: str = ""
     losses: list[float] = field(default_factory=list)
     loss_scales: list[float] = field(default_factory=list)
@@ -134,12 +155,17 @@ class LevelResult:
         speeds = record.round_speeds
         enough = len(speeds) >= machine.MIN_ROUNDS
         peaks = record.round_peak_bytes
+        rank_rounds = record.round_rank_peak_bytes
+        rank_peaks = ([max(by_rank) for by_rank in zip(*rank_rounds)] if rank_rounds
+                      else record.rank_peak_bytes or None)
         return cls(level=record.level, ok=record.ok, error=record.error,
                    steps_per_s=statistics.median(speeds) if enough else None,
                    steps_per_s_range=[min(speeds), max(speeds)] if speeds else None,
                    round_steps_per_s=speeds,
                    peak_memory_bytes=max(peaks) if peaks else record.peak_bytes,
-                   round_peak_bytes=peaks, memory_kind=record.memory_kind, losses=record.losses,
+                   round_peak_bytes=peaks, rank_peak_memory_bytes=rank_peaks,
+                   round_rank_peak_bytes=rank_rounds, memory_kind=record.memory_kind,
+                   losses=record.losses,
                    loss_scales=record.loss_scales, skipped=record.skipped,
                    warmup_steps=record.warmup_steps, threads=record.threads)
 
@@ -168,6 +194,8 @@ class Comparison:
         load (LoadMonitor): the load around the run.
         rounds (list of int): steps per level in each timed round.
         warnings (list of str): why the speed ratios may not be trusted.
+        nproc (int): ranks per level.
+        strategy (str or None): ``"ddp"`` or ``"fsdp2"`` when the levels ran over ranks.
     """
 
     results: list[LevelResult]
@@ -175,6 +203,8 @@ class Comparison:
     load: machine.LoadMonitor
     rounds: list[int]
     warnings: list[str] = field(default_factory=list)
+    nproc: int = 1
+    strategy: str | None = None
 
     def spreads(self) -> dict[str, float | None]:
         """Relative spread over rounds of every level's speed and speed-up."""
@@ -221,7 +251,9 @@ def run_compare(job: dict[str, Any], levels: list[str], console=None,
 
     Args:
         job (dict): ``model``, ``steps``, ``warmup``, ``rounds``,
-            ``batch_size``, ``device``, ``half_dtype`` (``"bf16"``/``"fp16"``) and ``seed``.
+            ``batch_size``, ``device``, ``half_dtype`` (``"bf16"``/``"fp16"``) and
+            ``seed``; optionally ``strategy`` (``"ddp"``/``"fsdp2"``: each level
+            over ``nproc`` ranks) and ``nproc``.
         levels (list of str): a subset of :data:`LEVELS`.
         console (rich.console.Console, optional): where progress goes. Default: stdout.
         progress_interval (float, optional): least seconds between plain
@@ -241,8 +273,10 @@ def run_compare(job: dict[str, Any], levels: list[str], console=None,
     from rich.console import Console
 
     console = console or Console()
+    strategy, nproc = job.get("strategy"), job.get("nproc", 1)
     spec = JobSpec(job["model"], device=job["device"], half_dtype=job["half_dtype"],
-                   seed=job["seed"], batch_size=job["batch_size"], report_steps=True)
+                   seed=job["seed"], batch_size=job["batch_size"], report_steps=True,
+                   strategy=strategy, nproc=nproc)
     rounds = split_steps(job["steps"] - job["warmup"], job["rounds"])
     load = machine.LoadMonitor().start()
     with make_progress(levels, job["steps"], console, "compare", progress_interval) as progress:
@@ -271,8 +305,9 @@ def run_compare(job: dict[str, Any], levels: list[str], console=None,
     _derive(results)
     threads = next((r.threads for r in results if r.threads), torch.get_num_threads())
     host = machine.HostFacts.collect(job["device"], threads)
-    comparison = Comparison(results, host, load, rounds)
-    comparison.warnings = machine.reliability_warnings(load, comparison.spreads(), host.cpus)
+    comparison = Comparison(results, host, load, rounds, nproc=nproc, strategy=strategy)
+    comparison.warnings = machine.reliability_warnings(load, comparison.spreads(), host.cpus,
+                                                       ranks=nproc if strategy else 1)
     return comparison
 
 
@@ -303,29 +338,51 @@ def _memory(r: LevelResult) -> str:
     return f"{r.peak_memory_bytes / 2**20:.0f} MiB"
 
 
+def _rank_memory(r: LevelResult) -> str:
+    peaks = [b / 2**20 for b in r.rank_peak_memory_bytes or []]
+    if not peaks:
+        return "-"
+    if len(peaks) > 4:  # a column of eight figures reads worse than its range
+        return f"{min(peaks):.0f}-{max(peaks):.0f} MiB"
+    return "/".join(f"{p:.0f}" for p in peaks) + " MiB"
+
+
+def ranks_line(comparison: Comparison) -> str | None:
+    """The caption line that says how the levels ran over ranks; None for one process each."""
+    if comparison.strategy is None:
+        return None
+    name = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP2's fully_shard"}[comparison.strategy]
+    return (f"each level over {comparison.nproc} rank{'s' * (comparison.nproc > 1)} "
+            f"({name}), each on its 1/{comparison.nproc} of every global batch; "
+            "peak mem is the largest rank's, per rank lists rank 0, 1, ...")
+
+
 def render_table(comparison: Comparison, title: str):
     """A :class:`rich.table.Table`: a row per level, the conditions in its caption."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    headers = ("level", "steps/s (min-max)", "speed-up (min-max)", "peak mem", "final loss",
-               "max |Δloss|", "skipped", "scale")
+    by_rank = comparison.strategy is not None
+    headers = ("level", "steps/s (min-max)", "speed-up (min-max)", "peak mem",
+               *(("per rank",) if by_rank else ()),
+               "final loss", "max |Δloss|", "skipped", "scale")
     rows = []
     for r in comparison.results:
         if not r.ok:
-            rows.append([r.level, *["-"] * 6, "[red]FAILED"])
+            rows.append([r.level, *["-"] * (len(headers) - 2), "[red]FAILED"])
             continue
         rows.append([
             r.level, _with_range(r.steps_per_s, r.steps_per_s_range, ".2f"),
             _with_range(r.speedup_vs_O0, None if r.level == "O0" else r.speedup_range, ".2f", "x"),
-            _memory(r),
+            _memory(r), *((_rank_memory(r),) if by_rank else ()),
             _fmt(r.final_loss, ".4f"), _fmt(r.max_abs_loss_diff_vs_O0, ".2e"), str(len(r.skipped)),
             _fmt(r.final_loss_scale, "g")])
     warmup = next((r.warmup_steps for r in comparison.results if r.ok), 0)
     caption = [f"{len(comparison.rounds)} timed rounds of {_steps_per_round(comparison.rounds)} "
                f"steps per level after {warmup} warm-up steps; speeds are medians over rounds, "
                "speed-up and max |Δloss| are against O0 (per round, per step)",
+               *filter(None, [ranks_line(comparison)]),
                comparison.host.line(), comparison.load.line()]
     if len(comparison.rounds) < machine.MIN_ROUNDS:
         caption.append(f"n/a: a speed needs at least {machine.MIN_ROUNDS} timed rounds, this run "
@@ -357,7 +414,8 @@ def write_plot(comparison: Comparison, path: Path, title: str) -> None:
     Skipped steps are marked with an ``x`` on the loss curve. The speed panel
     shows each level's median steps/s as a bar, the min-max over rounds as
     an error bar and every round as a dot; the memory panel the peak as a
-    bar and every round's peak as a dot.
+    bar and every round's peak as a dot; over several ranks, the largest
+    rank's peak as a bar and each rank's peak as a dot.
 
     Args:
         comparison (Comparison): the run; failed levels are left out.
@@ -401,8 +459,13 @@ def write_plot(comparison: Comparison, path: Path, title: str) -> None:
     if len(comparison.rounds) < machine.MIN_ROUNDS:
         ax_speed.text(0.5, 0.5, f"fewer than {machine.MIN_ROUNDS} timed rounds:\nno speed figures",
                       transform=ax_speed.transAxes, ha="center", va="center", color="dimgray")
-    _spread_panel(ax_mem, results, lambda r: r.round_peak_bytes, lambda r: r.peak_memory_bytes,
-                  "peak memory, MiB (peak, rounds)", 2**20)
+    if comparison.strategy is not None:
+        _spread_panel(ax_mem, results, lambda r: r.rank_peak_memory_bytes or [],
+                      lambda r: r.peak_memory_bytes,
+                      "peak MiB per rank (largest, ranks)", 2**20)
+    else:
+        _spread_panel(ax_mem, results, lambda r: r.round_peak_bytes,
+                      lambda r: r.peak_memory_bytes, "peak memory, MiB (peak, rounds)", 2**20)
     if comparison.warnings:
         reasons = "; ".join(w.split(":")[0] for w in comparison.warnings)
         fig.text(0.5, 0.005, f"warning, speed ratios unreliable: {reasons}", ha="center",
@@ -467,6 +530,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--levels", nargs="+", type=_level, default=None, metavar="LEVEL",
                    help=f"levels to run, from {' '.join(LEVELS)} (default: all; autocast is "
                         "left out on a CPU without native half)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="train each level data-parallel over N ranks on this machine (default: 1, "
+                        "one process per level)")
+    p.add_argument("--strategy", choices=ranks.STRATEGIES, default=None,
+                   help="how the ranks share the model: ddp (DistributedDataParallel, the default "
+                        "with --nproc) or fsdp2 (fully_shard); given with --nproc 1, one rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default: 0)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", type=Path, metavar="PATH",
@@ -553,10 +622,37 @@ def validate(ns: argparse.Namespace) -> dict[str, Any]:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     check_model(ns.model)
+    strategy = _check_ranks(ns, device)
     warmup = ns.warmup if ns.warmup is not None else min(5, max(1, steps // 10)) if steps > 1 else 0
     half = ns.half_dtype or ("fp16" if device.type == "cuda" else "bf16")
     return dict(model=ns.model, steps=steps, warmup=warmup, rounds=ns.rounds,
-                batch_size=ns.batch_size, device=str(device), half_dtype=half, seed=ns.seed)
+                batch_size=ns.batch_size, device=str(device), half_dtype=half, seed=ns.seed,
+                nproc=ns.nproc, strategy=strategy)
+
+
+def _check_ranks(ns: argparse.Namespace, device: torch.device) -> str | None:
+    """The strategy ``--nproc`` and ``--strategy`` ask for (None: one process per level)."""
+    nproc = ns.nproc
+    if nproc < 1:
+        raise UsageError(f"--nproc must be at least 1 (ranks per level), got {nproc}")
+    strategy = ns.strategy or ("ddp" if nproc > 1 else None)
+    if strategy is None:
+        return None
+    if device.type == "cuda":
+        if device.index is not None:
+            raise UsageError(f"--device {ns.device}: over ranks, rank r takes GPU cuda:r; "
+                             "pass --device cuda (CUDA_VISIBLE_DEVICES chooses the GPUs)")
+        count = torch.cuda.device_count()
+        if nproc > count:
+            raise UsageError(f"--nproc {nproc}: NCCL needs a GPU per rank and {count} are "
+                             f"visible; expected at most {count}")
+    rows = ns.batch_size or models.default_batch_size(ns.model)
+    if rows is not None and rows % nproc:
+        source = "--batch-size" if ns.batch_size else f"the default of --model {ns.model}"
+        raise UsageError(f"--nproc {nproc}: the global batch of {rows} ({source}) does not split "
+                         f"evenly over {nproc} ranks; expected a --batch-size that is a multiple "
+                         f"of {nproc}")
+    return strategy
 
 
 def _main(ns: argparse.Namespace) -> int:
@@ -580,19 +676,25 @@ def _main(ns: argparse.Namespace) -> int:
                      "its steps would take many times O0's. Name it in --levels to run it anyway.")
     for note in notes:
         console.print(Panel(note, title="CPU half precision", border_style="yellow"))
+    crowded = machine.oversubscribed(job["nproc"], host.cpus) if job["strategy"] else None
+    if crowded:
+        console.print(Panel(crowded, title="more ranks than CPUs", border_style="yellow"))
 
     started = time.perf_counter()
     comparison = run_compare(job, levels, console, ns.progress_interval)
     elapsed = time.perf_counter() - started
-    title = (f"amp-patch compare: model {job['model']}, {job['steps']} steps, {job['device']}, "
-             f"{job['half_dtype']}, torch {torch.__version__}")
+    over = (f", {job['nproc']} rank{'s' * (job['nproc'] > 1)} ({job['strategy'].upper()})"
+            if job["strategy"] else "")
+    title = (f"amp-patch compare: model {job['model']}, {job['steps']} steps, {job['device']}"
+             f"{over}, {job['half_dtype']}, torch {torch.__version__}")
     table = render_table(comparison, title)
     console.print(table)
     warning = ("Speed ratios unreliable:\n- " + "\n- ".join(comparison.warnings)
                if comparison.warnings else None)
     if warning:
         console.print(Panel(warning, title="warning", border_style="red"))
-    console.print(f"{len(levels)} levels in {elapsed:.0f} s. Peak memory: "
+    console.print(f"{len(levels)} levels in {elapsed:.0f} s. Peak memory"
+                  + (", in each rank: " if job["strategy"] else ": ")
                   + ("torch.cuda.max_memory_allocated." if job["device"].startswith("cuda") else
                      "peak anonymous resident memory (heap) while training, above the "
                      "process's before the model was built."))

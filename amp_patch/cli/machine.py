@@ -34,6 +34,7 @@ __all__ = [
     "cpu_count",
     "relative_spread",
     "reliability_warnings",
+    "oversubscribed",
     "cpu_half_banner",
     "cpu_half_plan",
     "autocast_is_slow",
@@ -248,19 +249,29 @@ def relative_spread(values: Sequence[float]) -> float | None:
     return (max(values) - min(values)) / mid if mid else None
 
 
+def oversubscribed(ranks: int, cpus: int) -> str | None:
+    """The warning that ``ranks`` processes training at once outnumber the ``cpus``; else None."""
+    if ranks <= cpus:
+        return None
+    return (f"{ranks} ranks per level on {cpus} CPUs: the ranks of a level train at once, "
+            "so they take turns on the CPUs and wait for each other in every collective; "
+            "the run works, but its speeds say little")
+
+
 def reliability_warnings(load: LoadMonitor, spreads: dict[str, float | None],
-                         cpus: int) -> list[str]:
+                         cpus: int, ranks: int = 1) -> list[str]:
     """Why the speed ratios of a measurement may not be trusted, one sentence per reason.
 
     Args:
         load (LoadMonitor): the stopped monitor of the measurement.
         spreads (dict): a name (``"O2 steps/s"``, ``"O2/O0"``) to its :func:`relative_spread`.
         cpus (int): CPUs of the machine, to judge the load average by.
+        ranks (int, optional): processes that trained each level at once. Default: 1.
 
     Returns:
         list of str: empty when nothing was found wrong.
     """
-    out = []
+    out = [w for w in (oversubscribed(ranks, cpus),) if w]
     avg = load.load_before
     if avg and avg[0] > LOAD_AVERAGE_LIMIT * cpus:
         out.append(f"the machine was busy before the run: 1-minute load average "

@@ -19,6 +19,7 @@ examples:
   amp-patch compare --full --out out/      # the docs/compare.md run: 100 steps, table, JSON, PNG
   amp-patch compare --model mlp --steps 50 --out out/
   amp-patch compare --model mypkg.models:make_workload --levels O0 O2 --json results.json
+  amp-patch compare --nproc 2              # each level data-parallel over 2 ranks (DDP)
   amp-patch run train.py --epochs 1        # an unchanged `from apex import amp` script
   amp-patch run --device cpu main_amp.py   # a GPU script (.cuda(), streams, nccl) on the CPU
   amp-patch bench                          # kernel and end-to-end benchmarks (source checkout)

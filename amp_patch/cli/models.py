@@ -49,6 +49,7 @@ __all__ = [
     "BUILTIN",
     "resolve",
     "build",
+    "default_batch_size",
     "parameter_count",
 ]
 
@@ -268,7 +269,7 @@ def mlp(
     """
     if layers < 2:
         raise ValueError(f"layers must be at least 2, got {layers}")
-    batch_size = batch_size or 256
+    batch_size = batch_size or _BATCH_SIZES["mlp"]
     device = torch.device(device)
     torch.manual_seed(seed)
     widths = [in_features] + [hidden] * (layers - 1) + [classes]
@@ -322,7 +323,7 @@ def convnet(
     Returns:
         Workload: ``(model, optimizer, batch_fn, loss_fn)``; the optimizer is SGD.
     """
-    batch_size = batch_size or 64
+    batch_size = batch_size or _BATCH_SIZES["convnet"]
     device = torch.device(device)
     torch.manual_seed(seed)
     c = channels
@@ -355,6 +356,34 @@ def convnet(
 
 #: Built-in factories by the name ``--model`` takes.
 BUILTIN: dict[str, Callable[..., Workload]] = {"lm": lm, "mlp": mlp, "convnet": convnet}
+
+#: The batch size of each built-in factory when none is given.
+_BATCH_SIZES = {"lm": COMPARE_LM.batch_size, "mlp": 256, "convnet": 64}
+
+
+def default_batch_size(spec: str) -> int | None:
+    """The batch size the factory named by ``spec`` builds when none is passed, if known unbuilt.
+
+    Args:
+        spec (str): a built-in name or ``"pkg.module:factory"`` (imported).
+
+    Returns:
+        int or None: a built-in's default, or the integer default of the
+        factory's ``batch_size`` parameter; None when it has none.
+
+    Example::
+
+        >>> default_batch_size("lm")
+        8
+    """
+    if spec in _BATCH_SIZES:
+        return _BATCH_SIZES[spec]
+    try:
+        param = inspect.signature(resolve(spec)).parameters.get("batch_size")
+    except (TypeError, ValueError):
+        return None
+    default = None if param is None else param.default
+    return default if isinstance(default, int) and not isinstance(default, bool) else None
 
 
 def resolve(spec: str) -> Callable[..., Workload]:

@@ -14,6 +14,14 @@ through :func:`measure`:
 - each step is timed on its own (batch creation left out, the device
   synchronised), and each round's peak memory is taken.
 
+With a :attr:`JobSpec.strategy`, a level's process is instead a launcher
+that starts ``nproc`` ranks in a process group of their own
+(:func:`amp_patch.cli.ranks.launch`), which train the level data-parallel,
+each on its slice of every global batch. Rank 0 takes the parent's orders
+and passes them on (one broadcast per chunk), reports the loss of the whole
+batch (the mean over the ranks) and every rank's peak memory; the other
+ranks print nothing.
+
 A level's speed is then the median over rounds, with the min-max over
 rounds as its spread (:class:`LevelRecord`).
 """
@@ -30,8 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
-from amp_patch.cli import models
+from amp_patch.cli import models, ranks
+from amp_patch.cli.machine import cpu_count
 from amp_patch.cli.trainer import HALF_DTYPES, CpuPeak, LevelTrainer
 
 __all__ = ["JobSpec", "LevelRecord", "LevelPool", "measure", "split_steps", "median_step_seconds"]
@@ -65,6 +75,13 @@ class JobSpec:
         level_models (tuple of (str, model), optional): levels that build
             another ``model`` than the others (the same network with the
             optimizer that is fastest at that level, say). Default: none.
+        strategy (str, optional): ``"ddp"`` or ``"fsdp2"``: train each level
+            over ``nproc`` ranks of its own process group (gloo on the CPU,
+            NCCL on CUDA with GPU ``LOCAL_RANK`` per rank); ``batch_size`` is
+            then the global batch, split over the ranks. Default: None, one
+            process per level.
+        nproc (int, optional): ranks per level under a ``strategy``. Their
+            threads default to the CPUs shared out among them. Default: 1.
     """
 
     model: Any
@@ -77,6 +94,8 @@ class JobSpec:
     report_steps: bool = False
     env: tuple[tuple[str, str | None], ...] = ()
     level_models: tuple[tuple[str, Any], ...] = ()
+    strategy: str | None = None
+    nproc: int = 1
 
 
 @dataclass
@@ -96,7 +115,12 @@ class LevelRecord:
         round_seconds (list of float): time of each timed round (the sum of its steps' times).
         round_peak_bytes (list of int): peak memory within each timed round.
         step_seconds (list of float): every timed step's time, in order.
-        peak_bytes (int or None): peak memory over the whole run, warm-up included.
+        peak_bytes (int or None): peak memory over the whole run, warm-up
+            included; under a strategy, of the rank with the most.
+        rank_peak_bytes (list of int): under a strategy, each rank's peak
+            memory over the whole run, warm-up included; else empty.
+        round_rank_peak_bytes (list of list of int): under a strategy, each
+            timed round's peak of each rank; else empty.
     """
 
     level: str
@@ -112,6 +136,8 @@ class LevelRecord:
     round_peak_bytes: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
+    rank_peak_bytes: list[int] = field(default_factory=list)
+    round_rank_peak_bytes: list[list[int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -129,6 +155,12 @@ class LevelRecord:
         self.skipped += chunk["skipped"]
         if chunk["peak_bytes"] is not None:
             self.peak_bytes = max(self.peak_bytes or 0, chunk["peak_bytes"])
+        per_rank = chunk.get("rank_peak_bytes")
+        if per_rank is not None:
+            self.rank_peak_bytes = ([max(a, b) for a, b in zip(self.rank_peak_bytes, per_rank)]
+                                    if self.rank_peak_bytes else list(per_rank))
+            if timed:
+                self.round_rank_peak_bytes.append(list(per_rank))
         if timed:
             self.round_steps.append(len(chunk["seconds"]))
             self.round_seconds.append(sum(chunk["seconds"]))
@@ -178,53 +210,139 @@ class _Memory:
         return max(0, self.cpu.delta())
 
 
+class _Level:
+    """A level's workload, built once in its process (or in each rank), then trained by chunks."""
+
+    def __init__(self, level: str, spec: JobSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.memory = _Memory(device)  # its CPU baseline is taken before the model exists
+        self.rank, self.world = 0, 1
+        if spec.strategy is not None:
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(spec.seed)
+        model_ref = dict(spec.level_models).get(level, spec.model)
+        factory = models.resolve(model_ref) if isinstance(model_ref, str) else model_ref
+        model, optimizer, self.batch_fn, loss_fn = models.build(factory, device, spec.batch_size,
+                                                                spec.seed)
+        self.trainer = LevelTrainer(level, model, optimizer, loss_fn, device,
+                                    HALF_DTYPES[spec.half_dtype], sample=self.memory.cpu.sample,
+                                    strategy=spec.strategy)
+        self.cached = [self._batch(i) for i in range(spec.cycle_batches)]
+        torch.manual_seed(spec.seed)  # what the model's own randomness (dropout) draws from
+        self.step = 0
+
+    def _batch(self, step: int) -> Any:
+        batch = self.batch_fn(step)
+        return batch if self.world == 1 else ranks.local_batch(batch, self.rank, self.world)
+
+    def facts(self) -> dict[str, Any]:
+        return {"threads": torch.get_num_threads(), "memory_kind": self.memory.kind}
+
+    def train(self, n: int, send: Callable[[Any], None] | None) -> dict[str, Any]:
+        """Train the next ``n`` steps; return the chunk (every rank's peaks on rank 0)."""
+        spec, device = self.spec, self.device
+        chunk: dict[str, Any] = {"losses": [], "scales": [], "skipped": [], "seconds": []}
+        self.memory.begin()
+        for _ in range(n):
+            batch = (self.cached[self.step % len(self.cached)] if self.cached
+                     else self._batch(self.step))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            step_loss = self.trainer.step(batch)
+            loss = float(step_loss.float().item())  # the step's one sync
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            chunk["seconds"].append(time.perf_counter() - t0)
+            if self.world > 1:  # the loss of the whole global batch; not timed
+                loss = ranks.mean_over_ranks(step_loss)
+            chunk["losses"].append(loss)
+            chunk["scales"].append(self.trainer.loss_scale)
+            if self.trainer.skipped:
+                chunk["skipped"].append(self.step)
+            if spec.report_steps and send is not None:
+                send(("step", (self.step, loss)))
+            self.step += 1
+        chunk["peak_bytes"] = self.memory.end()
+        if spec.strategy is not None:
+            peaks: list[Any] | None = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(chunk["peak_bytes"], peaks, dst=0)
+            if peaks is not None:
+                chunk["rank_peak_bytes"] = peaks
+                chunk["peak_bytes"] = max(peaks)
+        return chunk
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
 def _serve(conn, level: str, spec: JobSpec) -> None:
     """A level's process: build the workload, then train chunks of steps when the parent asks."""
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        device = torch.device(spec.device)
-        memory = _Memory(device)  # its CPU baseline is taken before the model exists
-        torch.manual_seed(spec.seed)
-        model_ref = dict(spec.level_models).get(level, spec.model)
-        factory = models.resolve(model_ref) if isinstance(model_ref, str) else model_ref
-        model, optimizer, batch_fn, loss_fn = models.build(factory, device, spec.batch_size,
-                                                           spec.seed)
-        trainer = LevelTrainer(level, model, optimizer, loss_fn, device,
-                               HALF_DTYPES[spec.half_dtype], sample=memory.cpu.sample)
-        cached = [batch_fn(i) for i in range(spec.cycle_batches)]
-        torch.manual_seed(spec.seed)  # what the model's own randomness (dropout) draws from
-        conn.send(("ready", {"threads": torch.get_num_threads(), "memory_kind": memory.kind}))
-        step = 0
+        run = _Level(level, spec, torch.device(spec.device))
+        conn.send(("ready", run.facts()))
         while True:
             cmd, n = conn.recv()
             if cmd == "stop":
-                trainer.close()
+                run.close()
                 conn.send(("stopped", None))
                 return
-            chunk: dict[str, Any] = {"losses": [], "scales": [], "skipped": [], "seconds": []}
-            memory.begin()
-            for _ in range(n):
-                batch = cached[step % len(cached)] if cached else batch_fn(step)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                loss = float(trainer.step(batch).float().item())  # the step's one sync
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                chunk["seconds"].append(time.perf_counter() - t0)
-                chunk["losses"].append(loss)
-                chunk["scales"].append(trainer.loss_scale)
-                if trainer.skipped:
-                    chunk["skipped"].append(step)
-                if spec.report_steps:
-                    conn.send(("step", (step, loss)))
-                step += 1
-            chunk["peak_bytes"] = memory.end()
-            conn.send(("chunk", chunk))
+            conn.send(("chunk", run.train(n, conn.send)))
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
+        except (OSError, ValueError):
+            pass
+
+
+def _serve_rank(conn, level: str, spec: JobSpec) -> None:
+    """A rank of a level under a strategy: rank 0 talks with the parent, the others follow it."""
+    lead = int(os.environ["RANK"]) == 0
+    if not lead:
+        conn.close()
+        # Rank 0 speaks for the level. A failure still reaches the parent: the launcher
+        # reads every failed rank's traceback from the agent's error files.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    try:
+        torch.set_num_threads(spec.threads or ranks.rank_threads(spec.nproc, cpu_count()))
+        run = _Level(level, spec, ranks.init_process_group(torch.device(spec.device).type))
+        if lead:
+            conn.send(("ready", run.facts()))
+        while True:
+            order = [conn.recv() if lead else None]
+            dist.broadcast_object_list(order, src=0)
+            cmd, n = order[0]
+            if cmd == "stop":
+                run.close()
+                ranks.close_process_group()
+                if lead:
+                    conn.send(("stopped", None))
+                return
+            chunk = run.train(n, conn.send if lead else None)
+            if lead:
+                conn.send(("chunk", chunk))
+    except BaseException:
+        # The launcher reports the traceback of the rank that failed first; the others
+        # were failing because of it, or alike.
+        if ranks.first_to_fail():
+            raise
+        os._exit(0)
+
+
+def _launch(conn, level: str, spec: JobSpec) -> None:
+    """A level's process under a strategy: the elastic agent of its ranks."""
+    try:
+        ranks.launch(spec.nproc, _serve_rank, conn, level, spec)
+    except BaseException as exc:
+        try:
+            conn.send(("error", f"{level} over {spec.nproc} ranks ({spec.strategy}): "
+                                f"{ranks.failure_text(exc)}"))
         except (OSError, ValueError):
             pass
 
@@ -291,10 +409,12 @@ class LevelPool:
     def start(self) -> None:
         """Spawn every level's process (they build their models at once); wait for all."""
         ctx = mp.get_context("spawn")
+        # A launcher starts the ranks, and a daemonic process may not have children.
+        target, daemon = (_serve, True) if self.spec.strategy is None else (_launch, False)
         with _environment(self.spec.env):
             for lv in self.levels:
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_serve, args=(child, lv, self.spec), daemon=True,
+                proc = ctx.Process(target=target, args=(child, lv, self.spec), daemon=daemon,
                                    name=f"amp-patch-{lv}")
                 proc.start()
                 child.close()
@@ -313,7 +433,10 @@ class LevelPool:
         """
         if level not in self.alive:
             return False
-        self._conns[level].send(("train", steps))
+        try:
+            self._conns[level].send(("train", steps))
+        except OSError:
+            pass  # it died waiting for this order: _receive reads its last words, or its death
         chunk = self._receive(level, "chunk")
         if chunk is None:
             return False

@@ -12,8 +12,10 @@ import sys
 from typing import Any, Callable
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import amp_patch as amp
+from amp_patch.cli import ranks
 
 __all__ = ["LEVELS", "AMP_LEVELS", "HALF_DTYPES", "LevelTrainer", "CpuPeak"]
 
@@ -42,6 +44,11 @@ class LevelTrainer:
         half_dtype (torch.dtype): ``torch.bfloat16`` or ``torch.float16``.
         sample (callable, optional): called after forward, backward and step
             (a memory sampler, say).
+        strategy (str, optional): in a rank of a process group,
+            ``"ddp"`` wraps the model in DistributedDataParallel after
+            :func:`amp_patch.initialize` and ``"fsdp2"`` shards it with
+            ``fully_shard`` before (see :mod:`amp_patch.cli.ranks`);
+            ``loss_fn`` then gets the wrapped model. Default: None, one process.
 
     Attributes:
         skipped (bool): the last :meth:`step` skipped its optimizer step
@@ -56,21 +63,32 @@ class LevelTrainer:
 
     def __init__(self, level: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], device: torch.device,
-                 half_dtype: torch.dtype, sample: Callable[[], None] | None = None) -> None:
+                 half_dtype: torch.dtype, sample: Callable[[], None] | None = None,
+                 strategy: str | None = None) -> None:
         if level not in LEVELS:
             raise ValueError(f"unknown level {level!r}; choose from {', '.join(LEVELS)}")
+        if strategy not in (None, *ranks.STRATEGIES):
+            raise ValueError(f"unknown strategy {strategy!r}; choose from "
+                             f"{', '.join(ranks.STRATEGIES)}")
         self.level = level
         self.device = device
         self.half_dtype = half_dtype
         self.loss_fn = loss_fn
         self._sample = sample or (lambda: None)
         self._grad_scaler = None
+        if strategy == "fsdp2":
+            ranks.shard(model, optimizer)  # amp supports this order: shard, then initialize
         if level in AMP_LEVELS:
             model, optimizer = amp.initialize(model, optimizer, opt_level=level,
                                               half_dtype=half_dtype, verbosity=0)
+        elif half_dtype == torch.float16 and strategy == "fsdp2":
+            # Each rank checks only its shards: the overflow flag must be all-reduced.
+            self._grad_scaler = ShardedGradScaler(device.type)
         elif half_dtype == torch.float16:
             self._grad_scaler = torch.amp.GradScaler(device.type)
         self.model, self.optimizer = model, optimizer
+        #: What ``loss_fn`` runs: the model, or its DistributedDataParallel wrapper.
+        self.net = ranks.wrap_ddp(model, device) if strategy == "ddp" else model
         self._steps_taken = 0
         optimizer.register_step_post_hook(self._count_step)
         self.skipped = False
@@ -87,7 +105,7 @@ class LevelTrainer:
         before = self._steps_taken
         self.optimizer.zero_grad()
         if self.level in AMP_LEVELS:
-            loss = self.loss_fn(self.model, batch)
+            loss = self.loss_fn(self.net, batch)
             self._sample()
             with amp.scale_loss(loss, self.optimizer) as scaled:
                 scaled.backward()
@@ -95,7 +113,7 @@ class LevelTrainer:
             self.optimizer.step()
         else:
             with torch.autocast(self.device.type, dtype=self.half_dtype):
-                loss = self.loss_fn(self.model, batch)
+                loss = self.loss_fn(self.net, batch)
             self._sample()
             if self._grad_scaler is not None:
                 self._grad_scaler.scale(loss).backward()
@@ -120,7 +138,8 @@ class LevelTrainer:
         return 1.0
 
     def close(self) -> None:
-        """Undo :func:`amp_patch.initialize` (a no-op for autocast)."""
+        """Undo :func:`amp_patch.initialize` (a no-op for autocast); drop the DDP wrapper."""
+        self.net = self.model  # DDP's reducer holds the process group
         if self.level in AMP_LEVELS:
             amp.deinitialize()
 
