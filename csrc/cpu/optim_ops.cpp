@@ -4,8 +4,8 @@
 // One call updates many tensors. Its lists (grads, params, moments, the
 // optional half model copies) are lined up into rows, one per tensor index, of
 // flat memory. The concatenation of all rows is cut into tasks of equal size
-// (plan.h's kTaskElems) that the threads take from a shared counter, as Plan
-// does for the loss-scaling ops.
+// (plan.h's kTaskElems) that the threads share out as Plan does for the
+// loss-scaling ops (Tasks::run).
 // Within a task each row is walked in tiles: fp32 tensors are handed to the
 // loops where they lie, fp16/bf16 ones are widened into a stack tile first and
 // narrowed back after, so a tile is read from memory once and written once.
