@@ -9,6 +9,8 @@
 // Within a task each row is walked in tiles: fp32 tensors are handed to the
 // loops where they lie, fp16/bf16 ones are widened into a stack tile first and
 // narrowed back after, so a tile is read from memory once and written once.
+// Adam's rows of fp32 params and moments skip the tiles (adam_mixed_loop
+// converts the grads and the model copy in registers).
 //
 // A set `noop` flag (Apex's noop_gmem, amp_patch's found_inf) makes an op
 // return before it writes anything, so a skipped step never half-applies.
