@@ -41,6 +41,8 @@ CASES = {
     # More than one CPU task (32768 elements) of small tensors, and tensors split across tasks.
     "many": [((1 + (37 * i) % 400,), [F32, BF16][i % 2], "contiguous") for i in range(200)],
     "large": [((3,), F32, "contiguous"), ((40_001,), F32, "contiguous"), ((20_003,), BF16, "contiguous")],
+    # About ten CPU tasks: more than the threads, so that each owns a block and helps the others.
+    "many_tasks": [((1 + (379 * i) % 3000,), [F32, BF16][i % 2], "contiguous") for i in range(200)],
 }
 
 # How params, state and model copies relate to the grads:
@@ -305,20 +307,22 @@ def test_lamb_stage1_norms_match_float64(device):
     assert (un > 0).all()
 
 
-def test_results_do_not_depend_on_the_thread_count():
-    threads = torch.get_num_threads()
-    name, args = _lamb1_args("many", "master", "cpu", use_nvlamb=True)
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_results_do_not_depend_on_the_thread_count(threads):
+    """Uneven blocks of tasks per thread, and threads taking over others' tasks, change no bit."""
+    saved = torch.get_num_threads()
+    name, args = _lamb1_args("many_tasks", "master", "cpu", use_nvlamb=True)
     try:
         torch.set_num_threads(1)
         one = _clone(list(args))
         out_one = getattr(torch.ops.amp_patch, name)(*one)
-        torch.set_num_threads(max(2, threads))
-        two = _clone(list(args))
-        out_two = getattr(torch.ops.amp_patch, name)(*two)
-    finally:
         torch.set_num_threads(threads)
-    _assert_lists_equal(one, two)
-    assert_bitwise(list(out_one), list(out_two))
+        many = _clone(list(args))
+        out_many = getattr(torch.ops.amp_patch, name)(*many)
+    finally:
+        torch.set_num_threads(saved)
+    _assert_lists_equal(one, many)
+    assert_bitwise(list(out_one), list(out_many))
 
 
 # ------------------------------------------------------------ errors

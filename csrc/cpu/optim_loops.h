@@ -9,7 +9,9 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace amp_patch::optim {
 // Correctly rounded in every ISA (vsqrtps, or std::sqrt per lane), unlike
@@ -70,10 +72,46 @@ void adam_loop(const float* g, float* p, float* m, float* v, int64_t n,
   const optim::AdamHyper h = hyper;
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c), mv = load(m + i, c), vv = load(v + i, c);
-    optim::adam_update(load(g + i, c), pv, mv, vv, h);
-    pv.store(p + i, c);
+    // The moments are stored before the param's division and square-root chain:
+    // it holds the loads of the next vectors back less (2-5% in a harness over
+    // 20 M params, at 1 and 2 threads).
+    optim::adam_update_moments(load(g + i, c), pv, mv, vv, h);
     mv.store(m + i, c);
     vv.store(v + i, c);
+    optim::adam_update_param(pv, mv, vv, h);
+    pv.store(p + i, c);
+  });
+}
+
+// Adam over fp32 params and moments with grads of type G, writing the updated
+// params rounded to M into the model copy (M = void: none): the one-pass O2
+// step (bf16 grads, fp32 masters, bf16 model) reads and writes each element
+// once, with the grads widened and the params narrowed in registers rather
+// than through fp32 tiles. The conversions are the copy loops' own
+// (load_block, store_block) and the update is adam_loop's, so the bits are
+// those of adam_loop between copy_loop calls.
+template <typename G, typename M>
+void adam_mixed_loop(const void* grads, float* p, float* m, float* v, void* model, int64_t n,
+                     const optim::AdamHyper& hyper) {
+  const optim::AdamHyper h = hyper;
+  const G* g = static_cast<const G*>(grads);
+  for_blocks(0, n, [&](int64_t i, int64_t c) {
+    FVec gv[2], pv[2];
+    load_block(g + i, c, gv[0], gv[1]);
+    for (int k = 0; k < 2; ++k) {
+      const int64_t at = i + k * kW;
+      const int64_t ck = std::min<int64_t>(std::max<int64_t>(c - k * kW, 0), kW);
+      FVec pk = load(p + at, ck), mk = load(m + at, ck), vk = load(v + at, ck);
+      optim::adam_update_moments(gv[k], pk, mk, vk, h);
+      mk.store(m + at, ck);
+      vk.store(v + at, ck);
+      optim::adam_update_param(pk, mk, vk, h);
+      pk.store(p + at, ck);
+      pv[k] = pk;
+    }
+    if constexpr (!std::is_void_v<M>) {
+      store_block(static_cast<M*>(model) + i, c, pv[0], pv[1]);
+    }
   });
 }
 
@@ -156,8 +194,21 @@ void lamb_apply_loop(float* p, const float* m, const float* v, int64_t n, float 
 }
 
 OptimTable optim_table() {
-  return {&adam_loop,    &sgd_loop,          &adagrad_loop, &novograd_loop,
-          &lamb_moments_loop, &lamb_apply_loop};
+  OptimTable t{&adam_loop,    &sgd_loop,          &adagrad_loop, &novograd_loop,
+               &lamb_moments_loop, &lamb_apply_loop, {}};
+  using c10::BFloat16;
+  using c10::Half;
+  // [grad dtype][model dtype, or kNumDt for no model]
+  t.adam_mixed[kF32][kNumDt] = &adam_mixed_loop<float, void>;
+  t.adam_mixed[kF16][kNumDt] = &adam_mixed_loop<Half, void>;
+  t.adam_mixed[kBF16][kNumDt] = &adam_mixed_loop<BFloat16, void>;
+  t.adam_mixed[kF32][kF16] = &adam_mixed_loop<float, Half>;
+  t.adam_mixed[kF32][kBF16] = &adam_mixed_loop<float, BFloat16>;
+  t.adam_mixed[kF16][kF16] = &adam_mixed_loop<Half, Half>;
+  t.adam_mixed[kBF16][kBF16] = &adam_mixed_loop<BFloat16, BFloat16>;
+  t.adam_mixed[kF16][kBF16] = &adam_mixed_loop<Half, BFloat16>;
+  t.adam_mixed[kBF16][kF16] = &adam_mixed_loop<BFloat16, Half>;
+  return t;
 }
 
 }  // namespace CPU_CAPABILITY

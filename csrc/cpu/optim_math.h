@@ -150,22 +150,41 @@ AMP_OPTIM_FN T adam_direction(const T& m, const T& v, const T& p, const AdamHype
   return u;
 }
 
-// Adam's moments from an unscaled grad (plus L2 decay when not in AdamW mode);
-// returns the update direction.
+// Adam's moments from an unscaled grad (plus L2 decay when not in AdamW mode).
 template <typename T>
-AMP_OPTIM_FN T adam_moments(T g, const T& p, T& m, T& v, const AdamHyper& h) {
+AMP_OPTIM_FN void adam_new_moments(T g, const T& p, T& m, T& v, const AdamHyper& h) {
   if (!h.adam_w_mode && h.weight_decay != 0.0f) {
     g = g + T(h.weight_decay) * p;
   }
   m = T(h.beta1) * m + T(h.one_minus_beta1) * g;
   v = T(h.beta2) * v + T(h.one_minus_beta2) * g * g;
+}
+
+// Adam's moments as adam_new_moments; returns the update direction.
+template <typename T>
+AMP_OPTIM_FN T adam_moments(T g, const T& p, T& m, T& v, const AdamHyper& h) {
+  adam_new_moments(g, p, m, v, h);
   return adam_direction(m, v, p, h);
+}
+
+// Adam / AdamW in two halves, so that a loop can store the moments before the
+// long division and square-root chain of the second: the moments from the
+// scaled grad, then the param from the moments.
+template <typename T>
+AMP_OPTIM_FN void adam_update_moments(const T& g, const T& p, T& m, T& v, const AdamHyper& h) {
+  adam_new_moments(g * T(h.inv_scale), p, m, v, h);
+}
+
+template <typename T>
+AMP_OPTIM_FN void adam_update_param(T& p, const T& m, const T& v, const AdamHyper& h) {
+  p = p - T(h.lr) * adam_direction(m, v, p, h);
 }
 
 // Adam / AdamW. adam_w_mode: decoupled weight decay; else L2 added to the grad.
 template <typename T>
 AMP_OPTIM_FN void adam_update(T g, T& p, T& m, T& v, const AdamHyper& h) {
-  p = p - T(h.lr) * adam_moments(g * T(h.inv_scale), p, m, v, h);
+  adam_update_moments(g, p, m, v, h);
+  adam_update_param(p, m, v, h);
 }
 
 // SGD with Apex's momentum rule (v = momentum * v + (1 - dampening) * g, the

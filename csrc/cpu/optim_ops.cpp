@@ -4,11 +4,13 @@
 // One call updates many tensors. Its lists (grads, params, moments, the
 // optional half model copies) are lined up into rows, one per tensor index, of
 // flat memory. The concatenation of all rows is cut into tasks of equal size
-// (plan.h's kTaskElems) that the threads take from a shared counter, as Plan
-// does for the loss-scaling ops.
+// (plan.h's kTaskElems) that the threads share out as Plan does for the
+// loss-scaling ops (Tasks::run).
 // Within a task each row is walked in tiles: fp32 tensors are handed to the
 // loops where they lie, fp16/bf16 ones are widened into a stack tile first and
 // narrowed back after, so a tile is read from memory once and written once.
+// Adam's rows of fp32 params and moments skip the tiles (adam_mixed_loop
+// converts the grads and the model copy in registers).
 //
 // A set `noop` flag (Apex's noop_gmem, amp_patch's found_inf) makes an op
 // return before it writes anything, so a skipped step never half-applies.
@@ -279,11 +281,35 @@ struct CpuBackend {
                     [&](int64_t r, float* const* f, int64_t n) { loop(r, f, n, h); });
   }
 
+  // Rows of fp32 params and moments (fp32 masters, or an fp32 model) go to
+  // adam_mixed in one pass over the whole piece; the rest through fp32 tiles.
   static void adam(const char* op, const optim::Lists<5>& lists, const optim::Flags& flags,
                    const optim::AdamHyper& hyper) {
-    sweep(op, lists, flags, hyper, [](int64_t, float* const* f, int64_t n, const auto& h) {
-      optim_kernels().adam(f[0], f[1], f[2], f[3], n, h);
+    RowPlan plan(op, lists);
+    const optim::AdamHyper h = scaled(hyper, flags, op);
+    if (step_skipped(flags.noop, op)) {
+      return;
+    }
+    const OptimTable& k = optim_kernels();
+    const bool with_model = plan.use(4) == Use::kCopyOut;
+    const auto& rows = plan.rows();
+    plan.run([&](int64_t, const Span& pc) {
+      const Row& row = rows[pc.job];
+      const AdamMixedLoop mixed =
+          row.dt[1] == kF32 && row.dt[2] == kF32 && row.dt[3] == kF32
+              ? k.adam_mixed[row.dt[0]][with_model ? row.dt[4] : kNumDt]
+              : nullptr;
+      if (mixed != nullptr) {
+        auto f32 = [&](int l) { return static_cast<float*>(offset(row.ptr[l], kF32, pc.begin)); };
+        mixed(offset(row.ptr[0], row.dt[0], pc.begin), f32(1), f32(2), f32(3),
+              with_model ? offset(row.ptr[4], row.dt[4], pc.begin) : nullptr, pc.end - pc.begin, h);
+        return;
+      }
+      for_tiles(plan, row, pc.begin, pc.end, [&](float* const* f, int64_t n) {
+        k.adam(f[0], f[1], f[2], f[3], n, h);
+      });
     });
+    plan.finish();
   }
 
   static void sgd(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "cpu/kernel_table.h"
 #include "cpu/optim_math.h"
 
 namespace amp_patch::cpu {
@@ -30,6 +31,11 @@ using LambMomentsLoop = void (*)(const float* g, const float* p, float* m, float
 using LambApplyLoop = void (*)(float* p, const float* m, const float* v, int64_t n, float ratio,
                                const optim::LambHyper& h);
 
+// Adam over fp32 params and moments, with grads of any 16/32-bit float type
+// and an optional half model copy that receives the updated params (null: none).
+using AdamMixedLoop = void (*)(const void* g, float* p, float* m, float* v, void* model,
+                               int64_t n, const optim::AdamHyper& h);
+
 struct OptimTable {
   AdamLoop adam;
   SgdLoop sgd;
@@ -37,6 +43,9 @@ struct OptimTable {
   NovoGradLoop novograd;
   LambMomentsLoop lamb_moments;
   LambApplyLoop lamb_apply;
+  // [grad dtype][model dtype, kNumDt for none]; null where the tiles of
+  // optim_ops.cpp serve (fp64, an fp32 model copy).
+  AdamMixedLoop adam_mixed[kNumDt][kNumDt + 1];
 };
 
 // One table per instruction set; the AVX ones exist on x86 only.

@@ -140,36 +140,92 @@ class Tasks {
   // Runs f(span_index, span) -> bool over every span, in parallel across tasks.
   // Returns true when any call returned true (saw a non-finite input).
   //
-  // Threads take tasks from a shared counter rather than a fixed split: on a
-  // shared machine one thread is often descheduled for a while, and with a
-  // static split the others would wait for its half at the barrier.
+  // Each thread owns a contiguous block of the tasks and takes them from its
+  // front, so it streams through memory as one long run. Threads must not take
+  // tasks from one shared counter in turn: a thread that skips ahead at every
+  // task restarts its hardware prefetch streams each time and wastes what they
+  // fetched past the end of its task, where the other thread is working (so
+  // those lines also move between the cores). Measured on 2 threads (AMD EPYC,
+  // avx512_bf16): 20 M fp32 params, an Adam step took 8-18% longer that way,
+  // multi_tensor_unscale_ on bf16 grads 60% longer. A thread that is done
+  // helps the others from the back of their blocks: on a shared machine one
+  // thread is often descheduled for a while, and with a static split the
+  // others would wait for its share at the barrier.
   template <typename F>
   bool run(const F& f) const {
     const int64_t ntasks = static_cast<int64_t>(task_begin_.size()) - 1;
-    std::atomic<int64_t> next{0};
+    const int64_t nworkers = std::min<int64_t>(ntasks, at::get_num_threads());
     std::atomic<bool> flagged{false};
-    auto worker = [&](int64_t, int64_t) {
+    auto run_task = [&](int64_t t, bool& local) {
+      for (int64_t s = task_begin_[t]; s < task_begin_[t + 1]; ++s) {
+        local |= f(s, spans_[s]);
+      }
+    };
+    if (nworkers <= 1) {
       bool local = false;
-      for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < ntasks;
-           t = next.fetch_add(1, std::memory_order_relaxed)) {
-        for (int64_t s = task_begin_[t]; s < task_begin_[t + 1]; ++s) {
-          local |= f(s, spans_[s]);
+      for (int64_t t = 0; t < ntasks; ++t) {
+        run_task(t, local);
+      }
+      return local;
+    }
+    TORCH_CHECK(ntasks <= INT32_MAX, "amp_patch: ", ntasks, " tasks in one call; at most ",
+                INT32_MAX, " are supported");
+    std::vector<Block> blocks(static_cast<size_t>(nworkers));
+    for (int64_t w = 0; w < nworkers; ++w) {
+      blocks[w].set(ntasks * w / nworkers, ntasks * (w + 1) / nworkers);
+    }
+    auto worker = [&](int64_t begin, int64_t end) {
+      bool local = false;
+      for (int64_t w = begin; w < end; ++w) {
+        for (int64_t t = blocks[w].take_front(); t >= 0; t = blocks[w].take_front()) {
+          run_task(t, local);
+        }
+      }
+      for (int64_t k = 1; k < nworkers; ++k) {
+        Block& other = blocks[(begin + k) % nworkers];
+        for (int64_t t = other.take_back(); t >= 0; t = other.take_back()) {
+          run_task(t, local);
         }
       }
       if (local) {
         flagged.store(true, std::memory_order_relaxed);
       }
     };
-    const int64_t nworkers = std::min<int64_t>(ntasks, at::get_num_threads());
-    if (nworkers <= 1) {
-      worker(0, 1);
-    } else {
-      at::parallel_for(0, nworkers, 1, worker);
-    }
+    at::parallel_for(0, nworkers, 1, worker);
     return flagged.load(std::memory_order_relaxed);
   }
 
  private:
+  // The tasks [front, back) not yet taken from one thread's block, packed into
+  // one word so that both ends move atomically; on its own cache line.
+  class alignas(64) Block {
+   public:
+    void set(int64_t front, int64_t back) { range_.store(pack(front, back)); }
+    int64_t take_front() { return take(true); }
+    int64_t take_back() { return take(false); }
+
+   private:
+    static uint64_t pack(int64_t front, int64_t back) {
+      return (static_cast<uint64_t>(back) << 32) | static_cast<uint32_t>(front);
+    }
+    // The task taken, or -1 when the block is empty.
+    int64_t take(bool from_front) {
+      uint64_t r = range_.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t front = static_cast<int64_t>(r & 0xffffffffu);
+        const int64_t back = static_cast<int64_t>(r >> 32);
+        if (front >= back) {
+          return -1;
+        }
+        const uint64_t next = from_front ? pack(front + 1, back) : pack(front, back - 1);
+        if (range_.compare_exchange_weak(r, next, std::memory_order_relaxed)) {
+          return from_front ? front : back - 1;
+        }
+      }
+    }
+    std::atomic<uint64_t> range_{0};
+  };
+
   std::vector<Span> spans_;
   std::vector<int64_t> task_begin_;
 };
