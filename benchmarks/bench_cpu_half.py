@@ -28,8 +28,10 @@ native host ``"auto"`` installs no wrapper, so the step runs the very same
 calls as ``"native"``: the script checks that, and reports the once-per-process
 probe and the per-``initialize`` cost beside the interleaved step ratio.
 
-Run: ``python benchmarks/bench_cpu_half.py`` (writes the "cpu-half" section
-of docs/benchmarks.md); ``--quick`` for a smoke test that writes nothing.
+Run: ``python benchmarks/bench_cpu_half.py`` (writes the "cpu-half" section of
+docs/benchmarks.md on a host with native bf16, "cpu-half-no-native-bf16" on one
+without: ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` makes an AVX-512 host
+behave as one); ``--quick`` for a smoke test that writes nothing.
 """
 
 from __future__ import annotations
@@ -227,13 +229,15 @@ def report(results: dict[str, dict], costs: dict, calls: dict[str, float], lm_na
     """The markdown section. ``results``: group name to :func:`measure`'s result."""
     support = amp_patch.cpu_half_support()
     host = support.host()
+    native = support.native(torch.bfloat16)
     load_text = (f"load average (1, 5, 15 min) {', '.join(f'{x:.2f}' for x in load[0])} before, "
                  f"{', '.join(f'{x:.2f}' for x in load[1])} after")
     rows = [[group, label, r["mode"], f"{r['ms']:.1f}", f"{r['ratio']:.2f}x"]
             for group, res in results.items() for label, r in res.items()]
     flat = {label: r for res in results.values() for label, r in res.items() if label != "O0"}
+    name, title = _section(support)
     parts = [
-        "## CPU half compute: emulated half matmuls (cpu-half)",
+        f"## CPU half compute: emulated half matmuls, {title} ({name})",
         "",
         f"Machine: {machine()}. Host kind: {host}. Detection: {support.describe()}.",
         f"Workload: built-in LM `{lm_name}` ({_lm_about(LMS[lm_name])}), AdamW. Each configuration "
@@ -241,10 +245,7 @@ def report(results: dict[str, dict], costs: dict, calls: dict[str, float], lm_na
         f"per configuration per round (1 for the forced-native fp16 rows), each group interleaved "
         f"with its own O0. Clock: {_CLOCK_TEXT[clock]}. {load_text.capitalize()}.",
         "",
-        "\"emulated\" rows force the detection to \"not native\", so `\"auto\"` takes the path that "
-        f"it takes on a host without native bf16; on this host ({host}) that measures the emulation "
-        "path, not such a host. The fp16 rows under `\"auto\"` are genuinely non-native on any CPU "
-        "without avx512_fp16.",
+        _about_rows(native, host),
         "",
         markdown_table(["group", "configuration", "plan", f"ms/step ({clock}, median)",
                         "time / O0 (median per round)"], rows),
@@ -258,7 +259,7 @@ def report(results: dict[str, dict], costs: dict, calls: dict[str, float], lm_na
             value = flat[label]["ratio"]
             target_rows.append([f"{label}: time / O0", f"<= {TARGET_EMULATED}", f"{value:.2f}",
                                 "met" if value <= TARGET_EMULATED else "**missed**", host])
-    if "O2 bf16, auto" in flat and "O2 bf16, detection forced native" in flat:
+    if "O2 bf16, auto" in flat and "O2 bf16, detection forced native" in flat and native:
         value = flat["O2 bf16, auto"]["ratio"] / flat["O2 bf16, detection forced native"]["ratio"]
         if costs["wrappers"] == 0:
             verdict = "met: no wrapper installed, the step makes the same calls (the ratio is noise)"
@@ -279,6 +280,26 @@ def report(results: dict[str, dict], costs: dict, calls: dict[str, float], lm_na
         markdown_table(["call", "us"], [[k, f"{v:.2f}"] for k, v in calls.items()]),
     ]
     return "\n".join(parts)
+
+
+def _about_rows(native: bool, host: str) -> str:
+    """What the "emulated" and "forced native" rows measure on this host."""
+    if native:
+        return (f"\"emulated\" rows force the detection to \"not native\", so `\"auto\"` takes the path "
+                f"that it takes on a host without native bf16; on this host ({host}) that measures "
+                "the emulation path, not such a host. The fp16 rows under `\"auto\"` are genuinely "
+                "non-native on any CPU without avx512_fp16.")
+    return (f"This host ({host}) has no native bf16 matmul, so `\"auto\"` emulates by itself; the "
+            "\"detection forced native\" row is the slow path that torch takes there without the "
+            "emulation.")
+
+
+def _section(support) -> tuple[str, str]:
+    """The report section this host's run owns, and its title: one per host kind, so that a
+    run on a host without native bf16 sits beside the native host's instead of replacing it."""
+    if support.native(torch.bfloat16):
+        return "cpu-half", "host with native bf16"
+    return "cpu-half-no-native-bf16", "host without native bf16"
 
 
 _CLOCK_TEXT = {"wall": "wall time",
@@ -325,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                   ns.clock, ns.threads)
     print(text)
     if not ns.no_write:
-        print(f"wrote {write_section('cpu-half', text)}", file=sys.stderr)
+        name, _ = _section(amp_patch.cpu_half_support())
+        print(f"wrote {write_section(name, text)}", file=sys.stderr)
     return 0
 
 
