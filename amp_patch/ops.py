@@ -84,15 +84,18 @@ def _flag_nonfinite(found_inf: Tensor, t: Tensor) -> None:
         found_inf.masked_fill_(~torch.isfinite(t).all(), 1.0)
 
 
-def _check_pairs(src: Sequence[Tensor], dst: Sequence[Tensor], op: str) -> None:
-    if len(src) != len(dst):
-        raise RuntimeError(f"amp_patch::{op}: list lengths differ ({len(src)} vs {len(dst)})")
-    for i, (s, d) in enumerate(zip(src, dst)):
-        if s.shape != d.shape:
-            raise RuntimeError(
-                f"amp_patch::{op}: tensor {i} has shape {tuple(s.shape)} in the first list "
-                f"but {tuple(d.shape)} in the second"
-            )
+def _check_rows(op: str, **lists: Sequence[Tensor] | None) -> None:
+    """Equal lengths, and at each index equal shapes, over the lists that are not None."""
+    named = [(k, v) for k, v in lists.items() if v is not None]
+    lead_name, lead = named[0]
+    for name, tensors in named[1:]:
+        if len(tensors) != len(lead):
+            raise RuntimeError(f"amp_patch::{op}: list lengths differ ({lead_name} has {len(lead)}, "
+                               f"{name} has {len(tensors)})")
+        for i, (a, b) in enumerate(zip(lead, tensors)):
+            if a.shape != b.shape:
+                raise RuntimeError(f"amp_patch::{op}: {name}[{i}] has shape {tuple(b.shape)} but "
+                                   f"{lead_name}[{i}] has {tuple(a.shape)}")
 
 
 def _byte_range(t: Tensor) -> tuple[int, int]:
@@ -169,7 +172,7 @@ def _unscale_ref(tensors: list[Tensor], found_inf: Tensor, inv_scale: Tensor) ->
 def _unscale_copy_ref(
     src: list[Tensor], dst: list[Tensor], found_inf: Tensor, inv_scale: Tensor
 ) -> None:
-    _check_pairs(src, dst, "multi_tensor_unscale_copy_")
+    _check_rows("multi_tensor_unscale_copy_", src=src, dst=dst)
     _check_no_overlap("multi_tensor_unscale_copy_", "dst", dst, "src", src)
     inv = _as_scalar(inv_scale)
     for s, d in zip(src, dst):
@@ -180,7 +183,7 @@ def _unscale_copy_ref(
 def _axpby_ref(
     x: list[Tensor], y: list[Tensor], found_inf: Tensor, a: float, b: float
 ) -> None:
-    _check_pairs(x, y, "multi_tensor_axpby_")
+    _check_rows("multi_tensor_axpby_", x=x, y=y)
     _check_no_overlap("multi_tensor_axpby_", "y", y, "x", x)
     for xi, yi in zip(x, y):
         _flag_nonfinite(found_inf, xi)
@@ -241,7 +244,7 @@ def _update_scale_hysteresis_ref(current_scale: Tensor, growth_tracker: Tensor,
 
 
 def _copy_ref(src: list[Tensor], dst: list[Tensor]) -> None:
-    _check_pairs(src, dst, "multi_tensor_copy_")
+    _check_rows("multi_tensor_copy_", src=src, dst=dst)
     _check_no_overlap("multi_tensor_copy_", "dst", dst, "src", src)
     for s, d in zip(src, dst):
         d.copy_(s)
@@ -605,20 +608,6 @@ def _commit(keep: Tensor | None, *pairs: tuple[Tensor, Tensor]) -> None:
 def _grad32(g: Tensor, inv_scale: Tensor | None) -> Tensor:
     g = g.float()
     return g if inv_scale is None else g * inv_scale.reshape(()).to(g.device)
-
-
-def _check_rows(op: str, **lists: Sequence[Tensor] | None) -> None:
-    """Equal lengths, and at each index equal shapes, over the lists that are not None."""
-    named = [(k, v) for k, v in lists.items() if v is not None]
-    lead_name, lead = named[0]
-    for name, tensors in named[1:]:
-        if len(tensors) != len(lead):
-            raise RuntimeError(f"amp_patch::{op}: list lengths differ ({lead_name} has {len(lead)}, "
-                               f"{name} has {len(tensors)})")
-        for i, (a, b) in enumerate(zip(lead, tensors)):
-            if a.shape != b.shape:
-                raise RuntimeError(f"amp_patch::{op}: {name}[{i}] has shape {tuple(b.shape)} but "
-                                   f"{lead_name}[{i}] has {tuple(a.shape)}")
 
 
 def _out(model_params: Sequence[Tensor], i: int, p: Tensor) -> list[tuple[Tensor, Tensor]]:
