@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -53,6 +52,7 @@ import torch.nn.functional as F
 import amp_patch
 from amp_patch import cpu_half
 from amp_patch.cli import models
+from amp_patch.cli.machine import LoadMonitor
 from amp_patch.cli.trainer import LevelTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -224,14 +224,11 @@ def call_costs() -> dict[str, float]:
 
 
 def report(results: dict[str, dict], costs: dict, calls: dict[str, float], lm_name: str,
-           rounds: int, steps: int, load: tuple[tuple[float, ...], tuple[float, ...]],
-           clock: str, threads: int) -> str:
+           rounds: int, steps: int, load: LoadMonitor, clock: str, threads: int) -> str:
     """The markdown section. ``results``: group name to :func:`measure`'s result."""
     support = amp_patch.cpu_half_support()
     host = support.host()
     native = support.native(torch.bfloat16)
-    load_text = (f"load average (1, 5, 15 min) {', '.join(f'{x:.2f}' for x in load[0])} before, "
-                 f"{', '.join(f'{x:.2f}' for x in load[1])} after")
     rows = [[group, label, r["mode"], f"{r['ms']:.1f}", f"{r['ratio']:.2f}x"]
             for group, res in results.items() for label, r in res.items()]
     flat = {label: r for res in results.values() for label, r in res.items() if label != "O0"}
@@ -243,7 +240,7 @@ def report(results: dict[str, dict], costs: dict, calls: dict[str, float], lm_na
         f"Workload: built-in LM `{lm_name}` ({_lm_about(LMS[lm_name])}), AdamW. Each configuration "
         f"in its own process with {threads} torch thread(s); {rounds} rounds, {steps} timed steps "
         f"per configuration per round (1 for the forced-native fp16 rows), each group interleaved "
-        f"with its own O0. Clock: {_CLOCK_TEXT[clock]}. {load_text.capitalize()}.",
+        f"with its own O0. Clock: {_CLOCK_TEXT[clock]}. Machine load: {load.line()}.",
         "",
         _about_rows(native, host),
         "",
@@ -333,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.clock == "cpu" and ns.threads != 1:
         p.error("--clock cpu times one thread: use --threads 1")
     torch.set_num_threads(ns.threads)
-    load_before = os.getloadavg()
+    load = LoadMonitor().start()
     costs = auto_costs()
     calls = call_costs()
     results = {}
@@ -342,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{group}:", file=sys.stderr, flush=True)
         results[group] = measure(configs, ns.lm, ns.rounds, ns.steps, ns.threads, ns.clock)
-    text = report(results, costs, calls, ns.lm, ns.rounds, ns.steps, (load_before, os.getloadavg()),
+    text = report(results, costs, calls, ns.lm, ns.rounds, ns.steps, load.stop(),
                   ns.clock, ns.threads)
     print(text)
     if not ns.no_write:

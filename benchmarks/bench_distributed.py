@@ -30,7 +30,6 @@ steps, 1 and 2 ranks, and writes nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 import amp_patch as amp
 from amp_patch.cli import models, ranks
+from amp_patch.cli.machine import cpu_count
 from amp_patch.distributed.fsdp import local_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,7 +108,7 @@ WARMUP_LM = models.LMConfig(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len
 
 def worker(mode: str, level: str, lm_name: str, steps: int, world: int) -> dict:
     """One rank: its state bytes and peak memory."""
-    torch.set_num_threads(ranks.rank_threads(world, os.cpu_count() or 1))
+    torch.set_num_threads(ranks.rank_threads(world, cpu_count()))
     device = ranks.init_process_group("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     train(WARMUP_LM, mode, level, 2, device)
@@ -137,9 +137,8 @@ def run(mode: str, level: str, world: int, lm_name: str, steps: int) -> dict:
 
 
 def host() -> str:
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return (f"{machine()}; {os.cpu_count()} cores, shared out among the ranks; "
-            f"torch.ops.mkldnn._is_mkldnn_bf16_supported() = {bf16}")
+    # machine() already names the CPUs this process may use and the detected bf16 support.
+    return f"{machine()}; the CPUs shared out among the ranks"
 
 
 def main() -> None:

@@ -23,14 +23,13 @@ written once) over the bandwidth measured in the same run.
 Before timing, each fused op is checked bit for bit against its reference body
 on fresh data. The script prints the table and rewrites the ``optimizers-cpu``
 (or ``-cuda``) section of ``docs/benchmarks.md`` (``--threads N``:
-``optimizers-cpu-Nt``); the machine's load average goes into the section,
+``optimizers-cpu-Nt``); the machine's load (load average, other processes' CPU share) goes into the section,
 since the CPU machines are shared.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402
 
 from amp_patch import ops  # noqa: E402
+from amp_patch.cli.machine import LoadMonitor  # noqa: E402
 from amp_patch.optimizers import (  # noqa: E402
     FusedAdagrad,
     FusedAdam,
@@ -206,7 +206,7 @@ def measure(device: str, total: int, repeats: int) -> tuple[float, list[Row], in
     return bandwidths[len(bandwidths) // 2], rows, n
 
 
-def report(device: str, n: int, bandwidth: float, rows: list[Row], load: tuple[float, float]) -> str:
+def report(device: str, n: int, bandwidth: float, rows: list[Row], load: LoadMonitor) -> str:
     isa = ""
     if device == "cpu" and ops.native_extension_loaded():
         from amp_patch import _C
@@ -214,8 +214,7 @@ def report(device: str, n: int, bandwidth: float, rows: list[Row], load: tuple[f
         isa = f" CPU kernels: {_C.cpu_capability()}."
     elif not ops.has_native_kernel(device, "multi_tensor_adam_"):
         isa = " No compiled kernel for this device: the reference ops were timed."
-    load_note = (f" Load average (1 min): {load[0]:.1f} at the start, {load[1]:.1f} at the end, on "
-                 f"{os.cpu_count()} CPUs." if device == "cpu" else "")
+    load_note = f" Machine load: {load.line()}." if device == "cpu" else ""
     header = ["id", "step", "anchor", "ms", "anchor ms", "speed-up", "target", "bytes/elem", "GB/s",
               "time / floor"]
     body = []
@@ -263,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     total, repeats = (2_000_000, 3) if args.quick else (int(args.params), args.repeats)
 
     check_correctness(args.device)
-    load_start = os.getloadavg()[0]
+    load = LoadMonitor().start()
     bandwidth, rows, n = measure(args.device, total, repeats)
-    body = report(args.device, n, bandwidth, rows, (load_start, os.getloadavg()[0]))
+    body = report(args.device, n, bandwidth, rows, load.stop())
     print(body)
     if not args.no_write and not args.quick:
         # A run pinned to a thread count gets a section of its own, beside the default one.

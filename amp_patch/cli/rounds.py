@@ -251,7 +251,7 @@ class _Level:
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             step_loss = self.trainer.step(batch)
-            loss = float(step_loss.float().item())  # the step's one sync
+            loss = step_loss.item()  # the step's one sync; a Python float for any dtype
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             chunk["seconds"].append(time.perf_counter() - t0)
