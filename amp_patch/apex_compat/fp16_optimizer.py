@@ -25,7 +25,7 @@ from amp_patch import scaler as _scaler
 from amp_patch.apex_compat.amp_state import LossScalerView
 from amp_patch.distributed.clip import clip_grad_norm_
 from amp_patch.dtypes import HALF_DTYPES
-from amp_patch.optim.masters import MasterWeights
+from amp_patch.optim.masters import MasterWeights, clear_grads
 
 __all__ = ["FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
 
@@ -295,21 +295,7 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
                 zeroing them. Default: False.
         """
         stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
-        params = stepped + self.all_fp16_params
-        if set_grads_to_None:
-            for p in params:
-                p.grad = None
-            return
-        grads = []
-        for p in params:
-            if p.grad is not None:
-                if p.grad.grad_fn is not None:
-                    p.grad.detach_()
-                else:
-                    p.grad.requires_grad_(False)
-                grads.append(p.grad)
-        if grads:
-            torch._foreach_zero_(grads)
+        clear_grads(stepped + self.all_fp16_params, set_grads_to_None)
 
     def backward(self, loss: Tensor, update_master_grads: bool = True,
                  retain_graph: bool = False) -> None:
