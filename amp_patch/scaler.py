@@ -12,8 +12,8 @@ tensors together, so the two never disagree.
 
 Every tensor of one fused op call must be on one device. Here,
 :func:`group_by_device_and_dtype` splits the lists of the unscale passes; the
-copy of the masters into the model, ``FP16_Optimizer.clip_master_grads`` and
-:func:`amp_patch.clip_grad_norm_` use it too. The other fused calls split
+copy of the masters into the model and :func:`amp_patch.clip_grad_norm_`
+(``FP16_Optimizer.clip_master_grads`` among its callers) use it too. The other fused calls split
 their lists themselves: :meth:`LossScaler.check` and the fused optimizers'
 grad norms by device, the fused optimizers' steps in their ``_batches`` (by
 device, and whether a half model copy is written), and the ``amp_C``

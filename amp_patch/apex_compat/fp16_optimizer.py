@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from amp_patch import ops, scaler as _scaler
+from amp_patch import scaler as _scaler
 from amp_patch.apex_compat.amp_state import LossScalerView
+from amp_patch.distributed.clip import clip_grad_norm_
 from amp_patch.dtypes import HALF_DTYPES
-from amp_patch.optim.masters import MasterWeights
-from amp_patch.scaler import group_by_device_and_dtype
+from amp_patch.optim.masters import MasterWeights, clear_grads
 
 __all__ = ["FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
 
@@ -34,8 +34,6 @@ logger = logging.getLogger("amp_patch")
 #: ``dynamic_loss_args`` keys and defaults: those of Apex's ``apex.amp.scaler.LossScaler``.
 _DYNAMIC_DEFAULTS = {"init_scale": 2.0**16, "scale_factor": 2.0, "scale_window": 2000,
                      "min_loss_scale": None, "max_loss_scale": 2.0**24}
-#: torch.nn.utils.clip_grad_norm_'s guard against division by zero.
-_CLIP_EPS = 1e-6
 
 
 def _any_nonfinite(tensors: Iterable[Tensor]) -> bool:
@@ -297,21 +295,7 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
                 zeroing them. Default: False.
         """
         stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
-        params = stepped + self.all_fp16_params
-        if set_grads_to_None:
-            for p in params:
-                p.grad = None
-            return
-        grads = []
-        for p in params:
-            if p.grad is not None:
-                if p.grad.grad_fn is not None:
-                    p.grad.detach_()
-                else:
-                    p.grad.requires_grad_(False)
-                grads.append(p.grad)
-        if grads:
-            torch._foreach_zero_(grads)
+        clear_grads(stepped + self.all_fp16_params, set_grads_to_None)
 
     def backward(self, loss: Tensor, update_master_grads: bool = True,
                  retain_graph: bool = False) -> None:
@@ -352,8 +336,9 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
     def clip_master_grads(self, max_norm: float, norm_type: float = 2):
         """Clip the fp32 grads the optimizer steps by their total norm, as ``clip_grad_norm_`` does.
 
-        The 2-norm is computed by the fused ``multi_tensor_l2norm`` (one call
-        per device) and the grads are scaled on the device: no host sync.
+        It is :func:`amp_patch.clip_grad_norm_` over the stepped tensors: for
+        the 2-norm one fused ``multi_tensor_l2norm`` per device and dtype, and
+        the grads are scaled on the device, with no host sync.
 
         Args:
             max_norm (float): the largest total norm allowed.
@@ -367,20 +352,7 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         if self.overflow:
             return -1
         stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if norm_type != 2:
-            return torch.nn.utils.clip_grad_norm_(stepped, max_norm, norm_type)
-        grads = [p.grad for p in stepped if p.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        groups = group_by_device_and_dtype(grads)
-        first = grads[0].device
-        per_group = [ops.multi_tensor_l2norm(gs)[0].to(first) for (_, _), (gs,) in groups.items()]
-        total = (per_group[0] if len(per_group) == 1
-                 else torch.linalg.vector_norm(torch.stack(per_group)))
-        coef = (max_norm / (total + _CLIP_EPS)).clamp(max=1.0)
-        for (device, _), (gs,) in groups.items():
-            torch._foreach_mul_(gs, coef.to(device))
-        return total
+        return clip_grad_norm_(stepped, max_norm, norm_type)
 
     def step(self, closure: Callable[[], Any] | None = None):
         """Step the optimizer and copy the masters into the model, unless the grads overflowed.

@@ -293,6 +293,8 @@ class FP16_Optimizer(fp16_optimizer.FP16_Optimizer):  # noqa: N801 - Apex's name
             raise ValueError("apex.optimizers.FP16_Optimizer does not take dynamic_loss_args (nor "
                              "did Apex's); apex.fp16_utils.FP16_Optimizer does")
         super().__init__(init_optimizer, static_loss_scale, dynamic_loss_scale, None, verbose)
+        # Where each master's update is written: fixed once the masters are made.
+        self._model_params = dict(zip(self.all_fp32_from_fp16_params, self.all_fp16_params))
 
     def _make_scaler(self, static_loss_scale: float,
                      dynamic_loss_args: dict | None) -> _scaler.LossScaler:
@@ -367,7 +369,7 @@ class FP16_Optimizer(fp16_optimizer.FP16_Optimizer):  # noqa: N801 - Apex's name
             return None
         inputs = FusedStepInputs(
             grads=grads, inv_scale=tensors[0].inv_scale,
-            model_params=dict(zip(self.all_fp32_from_fp16_params, self.all_fp16_params)))
+            model_params=self._model_params)
         with self.optimizer.fused_step_inputs(inputs):
             return self.optimizer.step()
 

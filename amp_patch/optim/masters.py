@@ -20,7 +20,7 @@ from amp_patch import ops
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.scaler import group_by_device_and_dtype
 
-__all__ = ["MasterWeights", "match_state_to_params"]
+__all__ = ["MasterWeights", "clear_grads", "match_state_to_params"]
 
 
 class MasterWeights:
@@ -209,6 +209,39 @@ class MasterWeights:
         self._master_of.clear()
         self._grad_buffers.clear()
         self._written_version.clear()
+
+
+def clear_grads(params: Iterable[Tensor], set_to_none: bool) -> None:
+    """Clear the grads of ``params`` as ``Optimizer.zero_grad`` does, for params it does not hold.
+
+    The model params behind the masters (amp's O2, ``FP16_Optimizer``) are
+    not in any param group, so the optimizer's own ``zero_grad`` never
+    reaches them.
+
+    Args:
+        params (iterable of Tensor): the params whose grads to clear.
+        set_to_none (bool): set the grads to None rather than zeroing them
+            (one fused ``_foreach_zero_``).
+
+    Example::
+
+        >>> clear_grads([model_p for model_p, _ in masters.pairs(stepped)], set_to_none=True)
+    """
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+            continue
+        # torch's rule: a grad that is itself part of a graph leaves it before being zeroed.
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
+        grads.append(p.grad)
+    if grads:
+        torch._foreach_zero_(grads)
 
 
 def match_state_to_params(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:

@@ -25,6 +25,7 @@ import wrapt
 from torch import Tensor
 
 from amp_patch.apex_compat.larc import LARC
+from amp_patch.optim.masters import clear_grads
 
 if TYPE_CHECKING:
     from amp_patch.optim.record import OptimizerRecord
@@ -158,17 +159,7 @@ class PatchedMethods:
         set_to_none = _call_arg(instance, args, kwargs, "set_to_none", default=True)
         # Master grads are amp's, not the caller's: released whichever way, as in Apex.
         record.masters.release_grads()
-        for model_p, _ in record.master_pairs():
-            if model_p.grad is None:
-                continue
-            if set_to_none:
-                model_p.grad = None
-            else:
-                if model_p.grad.grad_fn is not None:
-                    model_p.grad.detach_()
-                else:
-                    model_p.grad.requires_grad_(False)
-                model_p.grad.zero_()
+        clear_grads([model_p for model_p, _ in record.master_pairs()], set_to_none)
         record.forget_stashed_grads()
         record.note_zeroed_grads()
         return out
