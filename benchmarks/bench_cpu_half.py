@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -286,9 +287,12 @@ def _about_rows(native: bool, host: str) -> str:
                 f"that it takes on a host without native bf16; on this host ({host}) that measures "
                 "the emulation path, not such a host. The fp16 rows under `\"auto\"` are genuinely "
                 "non-native on any CPU without avx512_fp16.")
-    return (f"This host ({host}) has no native bf16 matmul, so `\"auto\"` emulates by itself; the "
-            "\"detection forced native\" row is the slow path that torch takes there without the "
-            "emulation.")
+    held = ", ".join(f"{k}={os.environ[k]}" for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+                     if os.environ.get(k))
+    held = f" (held there by {held}, whatever the CPU's flags say)" if held else ""
+    return (f"This host ({host}) has no native bf16 matmul{held}, so `\"auto\"` emulates by "
+            "itself; the \"detection forced native\" row is the slow path that torch takes there "
+            "without the emulation.")
 
 
 def _section(support) -> tuple[str, str]:
