@@ -40,6 +40,7 @@ import torch.distributed as dist
 import amp_patch as amp
 from amp_patch.cli import models, ranks
 from amp_patch.cli.machine import cpu_count
+from amp_patch.distributed import close_process_group
 from amp_patch.distributed.fsdp import local_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -119,7 +120,7 @@ def worker(mode: str, level: str, lm_name: str, steps: int, world: int) -> dict:
         baseline = _reset_peak()
     state = train(LMS[lm_name], mode, level, steps, device)
     peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - baseline
-    ranks.close_process_group()
+    close_process_group()
     return {"state": state, "peak": peak}
 
 

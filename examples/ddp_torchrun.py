@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amp_patch as amp
+from amp_patch.distributed import close_process_group
 
 
 def init_process_group() -> None:
@@ -74,12 +75,10 @@ def main() -> None:
     if rank == 0:
         print(f"{args.opt_level}: {world} process(es), {args.steps} steps; max weight difference "
               f"across ranks {diff.item():g}", flush=True)
-    # Release DDP's reducer (it holds the process group) and let every rank arrive
-    # before the group goes: a rank tearing down gloo while another is still inside
-    # destroy_process_group can abort it.
-    del model
-    dist.barrier()
-    dist.destroy_process_group()
+    # Meet the other ranks, destroy the group, and let gloo's worker threads finish
+    # before the interpreter exits: they still hold the last all-reduces of backward,
+    # and releasing those during shutdown aborts the process (docs/distributed.md).
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ it and goes on, with any number of processes.
 """
 
 import argparse
-import gc
 import os
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import amp_patch as amp
+from amp_patch.distributed import close_process_group
 
 
 def build(device: torch.device) -> torch.nn.Module:
@@ -84,11 +84,9 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     train(args, torch.device("cuda" if cuda else "cpu"))
-    # FSDP's modules and states refer to each other: collect them now, while the process group
-    # lives. Freed at interpreter exit instead, their pending collective work can abort it.
-    gc.collect()
-    dist.barrier()  # no rank tears gloo down while another is still in destroy_process_group
-    dist.destroy_process_group()
+    # Meet the other ranks, destroy the group, and let gloo's worker threads finish before
+    # the interpreter exits: releasing backward's collectives during shutdown aborts the process.
+    close_process_group()
 
 
 if __name__ == "__main__":

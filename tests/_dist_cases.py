@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import amp_patch as amp  # noqa: E402
+from amp_patch.distributed import close_process_group  # noqa: E402
 from amp_patch.distributed.fsdp import local_tensor  # noqa: E402
 import training_utils  # noqa: E402
 from training_utils import conv_batch, convnet, count_host_syncs  # noqa: E402
@@ -718,9 +718,7 @@ def main() -> None:
                 amp.deinitialize()
         dist.barrier()  # every rank finishes a case before any starts the next
     (out / f"results-{ctx.rank}.json").write_text(json.dumps(results))
-    gc.collect()  # FSDP's reference cycles, freed while the process group lives (see the example)
-    dist.barrier()  # no rank tears gloo down while another is still in destroy_process_group
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

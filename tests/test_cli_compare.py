@@ -581,7 +581,7 @@ opt.step()
 assert model.bn.weight.dtype == torch.float32 and model.blocks[0].weight.dtype == torch.float32
 assert not torch.equal(before, model.bn.weight.full_tensor())
 amp.deinitialize()
-dist.destroy_process_group()
+amp.distributed.close_process_group()
 print("ok")
 """
 

@@ -42,9 +42,8 @@ for step in range(steps):
 torch.save({"params": [p.detach() for p in model.parameters()],
             "steps": [opt.state[p]["step"].item() for p in amp.master_params(opt)],
             "amp": amp.state_dict(), "losses": losses}, out)
-del ddp  # its reducer holds the process group
-dist.barrier()  # no rank tears gloo down while another is still in destroy_process_group
-dist.destroy_process_group()
+from amp_patch.distributed import close_process_group
+close_process_group()
 """
 
 

@@ -7,7 +7,8 @@ train a workload over several processes the same way, through this module:
   ``torchrun --standalone`` does): one agent, a c10d rendezvous on
   localhost at a free port, no restarts;
 - each rank calls :func:`init_process_group` (gloo on the CPU, NCCL and one
-  GPU per rank on CUDA) and, at the end, :func:`close_process_group`;
+  GPU per rank on CUDA) and, at the end,
+  :func:`amp_patch.distributed.close_process_group`;
 - :func:`shard` applies FSDP2's ``fully_shard`` in the usual recipe and
   points the optimizer at the sharded parameters, so that
   :func:`amp_patch.initialize` can follow (the order amp supports);
@@ -21,7 +22,6 @@ train a workload over several processes the same way, through this module:
 from __future__ import annotations
 
 import datetime
-import gc
 import logging
 import os
 import tempfile
@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 __all__ = ["STRATEGIES", "COLLECTIVE_TIMEOUT", "launch", "first_to_fail", "failure_text",
-           "init_process_group", "close_process_group", "rank_threads", "shard", "wrap_ddp",
+           "init_process_group", "rank_threads", "shard", "wrap_ddp",
            "local_batch", "mean_over_ranks"]
 
 #: How a level is trained over the ranks: DistributedDataParallel, or FSDP2's ``fully_shard``.
@@ -79,7 +79,7 @@ def launch(nproc: int, entrypoint: Callable[..., Any], *args: Any) -> dict[int, 
         >>> def entry(x):
         ...     init_process_group("cpu")
         ...     ...
-        ...     close_process_group()
+        ...     amp_patch.distributed.close_process_group()
         ...     return x
         >>> launch(2, entry, 7)
         {0: 7, 1: 7}
@@ -168,13 +168,6 @@ def init_process_group(device_type: str) -> torch.device:
         return device
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     return torch.device("cpu")
-
-
-def close_process_group() -> None:
-    """Leave the group when every rank is done with it."""
-    gc.collect()  # FSDP's and DDP's reference cycles, freed while the group still exists
-    dist.barrier()  # no rank tears gloo down while another is still in destroy_process_group
-    dist.destroy_process_group()
 
 
 def rank_threads(nproc: int, cpus: int) -> int:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from amp_patch.cli import models, ranks
 from amp_patch.cli.machine import cpu_count
 from amp_patch.cli.trainer import HALF_DTYPES, CpuPeak, LevelTrainer
+from amp_patch.distributed import close_process_group
 
 __all__ = ["JobSpec", "LevelRecord", "LevelPool", "measure", "split_steps", "median_step_seconds"]
 
@@ -320,7 +321,7 @@ def _serve_rank(conn, level: str, spec: JobSpec) -> None:
             cmd, n = order[0]
             if cmd == "stop":
                 run.close()
-                ranks.close_process_group()
+                close_process_group()
                 if lead:
                     conn.send(("stopped", None))
                 return
