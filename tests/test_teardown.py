@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from amp_patch.cli import run as cli_run
 from amp_patch.distributed import close_process_group, teardown, wait_for_gloo_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,3 +91,16 @@ def test_close_after_ddp_backward_leaves_the_workers_asleep(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("closed")
 
+
+@pytest.mark.parametrize("body", ["pass", "raise SystemExit(4)"])
+def test_run_waits_for_gloo_after_the_script(body, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli_run, "wait_for_gloo_workers", lambda: calls.append(sys.argv[:]))
+    script = tmp_path / "script.py"
+    script.write_text(body + "\n")
+    saved = sys.argv[:]
+    try:
+        cli_run.run_script(str(script), ["--flag"])
+    except SystemExit as exit_:
+        assert exit_.code == 4
+    assert calls == [saved]  # once, after the script, with sys.argv put back

@@ -16,6 +16,7 @@ from amp_patch.cli.cuda_on_cpu import CudaOnCpu
 from amp_patch.cli.machine import HostFacts, cpu_half_banner
 from amp_patch.cli.options import UsageError, parse_device
 from amp_patch.cli.trainer import HALF_DTYPES
+from amp_patch.distributed import wait_for_gloo_workers
 
 __all__ = ["add_parser", "run_script"]
 
@@ -42,6 +43,10 @@ HalfTensor mean --half-dtype (default bf16, the CPU half type; fp16 matmuls
 are hundreds of times slower on most CPUs), and so does an fp16
 cast_model_type. A CUDA call with no CPU meaning fails with an error naming
 it. Everything is undone when the script ends.
+
+When the script has used gloo (torch.distributed on the CPU), the run waits
+for gloo's worker threads before the interpreter exits, so that a DDP script
+does not abort at exit (amp_patch.distributed.wait_for_gloo_workers).
 """
 
 EPILOG = """\
@@ -82,8 +87,10 @@ def run_script(target: str, args: list[str], *, module: bool = False, shadow_ape
 
     Afterwards the hook and the modules it served are removed, an amp
     session the script left live is undone, then ``cuda_on_cpu`` (when
-    given), and ``sys.argv`` and ``sys.path`` are put back. A
-    ``SystemExit`` raised by the script propagates.
+    given), and ``sys.argv`` and ``sys.path`` are put back; last, it waits
+    for gloo's worker threads (:func:`~amp_patch.distributed.wait_for_gloo_workers`),
+    so that the interpreter does not exit under them. A ``SystemExit``
+    raised by the script propagates.
 
     Args:
         target (str): a script path, or a module name when ``module`` is True.
@@ -139,6 +146,7 @@ def run_script(target: str, args: list[str], *, module: bool = False, shadow_ape
                       file=sys.stderr)
             sys.argv[:] = saved_argv
             sys.path[:] = saved_path
+            wait_for_gloo_workers()
 
 
 def _main(ns: argparse.Namespace) -> int:
