@@ -31,6 +31,7 @@ examples:
 BENCHMARKS = (
     "bench_kernels.py", "bench_optimizers.py", "bench_overhead.py", "bench_compile.py",
     "bench_o2_step.py", "bench_cpu_half.py", "bench_e2e.py", "bench_compare_repeat.py",
+    "bench_gloo_exit.py",
 )
 
 

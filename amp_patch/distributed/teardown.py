@@ -10,7 +10,7 @@ begun to shut down by then, that thread cannot take the GIL to release the
 object, and the process dies with ``terminate called without an active
 exception`` (SIGABRT) after the script's last line. It happens when the worker
 thread is descheduled at the wrong moment: on a loaded machine, one exit in
-four of a two-rank DDP run on the CPU.
+four or five of a two-rank DDP run on the CPU (``benchmarks/bench_gloo_exit.py``).
 
 ``destroy_process_group()`` does not prevent it: DDP keeps references to the
 group, so its worker threads live on to the end. What does is to let those
@@ -49,7 +49,8 @@ def _worker_states(tasks: Path) -> list[str]:
         try:
             if (task / "comm").read_text().strip() != GLOO_WORKER:
                 continue
-            # "tid (comm) state ...": the name may hold spaces or parentheses, the state follows the last ")".
+            # "tid (comm) state ...": the name may hold spaces or parentheses;
+            # the state follows the last ")".
             states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
         except (OSError, IndexError):  # the thread ended while being read
             continue
@@ -100,7 +101,7 @@ def wait_for_gloo_workers(timeout: float = 5.0, *, tasks: Path = _TASKS) -> bool
 
 
 def close_process_group(timeout: float = 5.0) -> None:
-    """End this rank's use of torch.distributed: meet the others, destroy the group, let gloo finish.
+    """End this rank's use of torch.distributed: barrier, destroy the group, let gloo finish.
 
     Call it on every rank, once training is over. The barrier keeps a rank
     from destroying the group while another still communicates; the wait is
