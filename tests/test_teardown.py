@@ -1,4 +1,4 @@
-"""``amp_patch.distributed.teardown``: no process exits while gloo's workers still hold backward's collectives."""
+"""``amp_patch.distributed.teardown``: no exit while gloo's workers hold backward's collectives."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def test_close_after_ddp_backward_leaves_the_workers_asleep(tmp_path):
         import sys, torch, torch.distributed as dist
         sys.path.insert(0, {str(ROOT)!r})
         from amp_patch.distributed import close_process_group, teardown
-        dist.init_process_group("gloo", init_method="file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'rdzv'}",
+                                rank=0, world_size=1)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
         for _ in range(3):
             model(torch.randn(4, 8)).sum().backward()
@@ -87,7 +88,8 @@ def test_close_after_ddp_backward_leaves_the_workers_asleep(tmp_path):
         assert all(s in "SDI" for s in states), states
         print("closed", "".join(states))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("closed")
 
