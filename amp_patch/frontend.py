@@ -17,6 +17,7 @@ from amp_patch import (
     session as _session,
 )
 from amp_patch.distributed import fsdp as _fsdp
+from amp_patch.distributed import regather as _regather
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.patching import install as _install_patches
@@ -181,6 +182,8 @@ def _build(session: _session.AmpSession) -> None:
     _cpu_half.install(session)
     if props.patch_torch_functions:
         _install_patches(session)
+        if session.sharding is not None:
+            _regather.install(session, session.sharding.states)
     for optimizer in session.optimizers:
         session.optimizer_records[id(optimizer)] = _optim.process(
             optimizer, bool(props.master_weights), session.on_close, disable_casts)

@@ -7,7 +7,12 @@ from typing import NamedTuple
 
 import torch
 
+from amp_patch.dtypes import HALF_DTYPES
+
 __all__ = ["WeightCastCache", "cacheable"]
+
+#: The dtypes an fp32 parameter is cast to (the keys' second half).
+_TARGETS = tuple(HALF_DTYPES)
 
 
 def cacheable(tensor: torch.Tensor) -> bool:
@@ -125,6 +130,31 @@ class WeightCastCache:
         self._refs.pop(pid, None)
         for key in [k for k in self._entries if k[0] == pid]:
             del self._entries[key]
+
+    def forget(self, params) -> None:
+        """Drop every entry of each of ``params``: their next use casts again.
+
+        For parameters whose storage is refilled without a version bump, such
+        as FSDP2's unsharded parameters, which every all-gather writes anew
+        into a storage freed and reallocated in place: an allocator that hands
+        the same address back would otherwise make a stale entry look valid
+        (see :mod:`amp_patch.distributed.regather`).
+
+        Args:
+            params (iterable of torch.Tensor): the parameters.
+
+        Example::
+
+            >>> cache.forget([linear.weight])
+            >>> cache.cast(linear.weight, torch.bfloat16)  # cast anew
+        """
+        entries = self._entries
+        if not entries:
+            return
+        for param in params:
+            pid = id(param)
+            for dtype in _TARGETS:
+                entries.pop((pid, dtype), None)
 
     def drop_no_grad_entries(self) -> None:
         """Drop the casts made with grad disabled (the O1 hooks do this as an evaluation forward
