@@ -11,6 +11,8 @@ from amp_patch.dtypes import HALF_DTYPES
 
 __all__ = ["WeightCastCache", "cacheable"]
 
+#: Keeps :attr:`WeightCastCache.digest` exact in a float64.
+_DIGEST_MOD = (1 << 47) - 115
 #: The dtypes an fp32 parameter is cast to (the keys' second half).
 _TARGETS = tuple(HALF_DTYPES)
 
@@ -63,6 +65,10 @@ class WeightCastCache:
     Attributes:
         casts (int): casts made through this cache so far (for tests and
             diagnostics).
+        digest (int): a running digest of the sizes of those casts, in their
+            order, which a cache hit instead of a cast changes (compared across
+            ranks by ``AMP_PATCH_DEBUG_RANKS=1``, see
+            :mod:`amp_patch.distributed.debug`).
 
     Example::
 
@@ -75,6 +81,7 @@ class WeightCastCache:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.casts = 0
+        self.digest = 0
         self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
         self._refs: dict[int, weakref.ref] = {}
 
@@ -110,6 +117,7 @@ class WeightCastCache:
         if not self.enabled:
             return cast
         self.casts += 1
+        self.digest = (self.digest * 1_000_003 + param.numel() + 1) % _DIGEST_MOD
         pid = id(param)
         if pid not in self._refs:
             self._refs[pid] = weakref.ref(param, self._forget_callback(pid))
