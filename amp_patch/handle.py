@@ -133,6 +133,8 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         return
 
     scaler = session.scalers[loss_id]
+    if check is not None:  # before anything is changed, so that a mismatch leaves all as it was
+        check.at_entry(session, loss_id, delay_unscale, delay_overflow_check, fast=False)
     for record in records:
         # Grads an earlier exit left scaled for a one-pass step: unscaled now, before this
         # backward adds to them, as that exit would have done.
@@ -141,8 +143,6 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         for record in records:
             record.prepare_backward()
     scaler.check_loss(loss)
-    if check is not None:
-        check.at_entry(session, loss_id, delay_unscale, delay_overflow_check, fast=False)
     try:
         yield loss.float() * scaler.loss_scale
     except BaseException:

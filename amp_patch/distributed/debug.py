@@ -1,4 +1,4 @@
-"""``AMP_PATCH_DEBUG_RANKS=1``: check at every ``scale_loss`` that the ranks made the same decisions.
+"""``AMP_PATCH_DEBUG_RANKS=1``: at every ``scale_loss``, check that the ranks decided alike.
 
 A decision that differs between ranks shows up, without this, as a
 collective that does not match: gloo aborts with "Received data size doesn't
@@ -171,8 +171,9 @@ class RankCheck:
             return
         if "where" in differences:
             differences["where"] = [_WHERE.get(v, str(v)) for v in differences["where"]]
-        said = "; ".join(f"{name}: " + ", ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(vals))
-                         for name, vals in differences.items())
+        said = "; ".join(
+            f"{name}: " + ", ".join(f"rank {r}: {_show(v)}" for r, v in enumerate(vals))
+            for name, vals in differences.items())
         raise RanksDisagreeError(
             f"amp_patch's ranks disagree at {_WHERE[where]} (scale_loss call {self.calls} of this "
             f"rank): {said}. Every rank must make the same amp decisions, or the collectives "
