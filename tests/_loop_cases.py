@@ -193,15 +193,13 @@ class Run:
     def two_losses(self, step: int) -> None:
         """Two forwards, then a backward of each loss with its own loss scaler.
 
-        DDP reduces at the first backward after a forward made outside
-        ``no_sync()``, so there the first loss runs forward and backward under
-        ``no_sync()`` before the second forward (two forwards first leaves the
-        replicas apart in plain torch too).
+        DDP reduces in the first backward after a forward, so there each
+        loss's forward is followed by its backward (both reduced): two
+        forwards first leaves the replicas apart in plain torch too.
         """
         if self.distributed and self.strategy == "ddp":
-            with self.run.no_sync():
-                first = self.loss(2 * step)
-                self.backward(first, loss_id=0)
+            first = self.loss(2 * step)
+            self.backward(first, loss_id=0)
             second = self.loss(2 * step + 1)
         else:
             first, second = self.loss(2 * step), self.loss(2 * step + 1)
