@@ -108,6 +108,7 @@ class Run:
                  seed: int = 0, mesh=None) -> None:
         self.ctx, self.loop, self.strategy, self.level = ctx, loop, strategy, level
         self.distributed = distributed
+        self.solo = False  # set for FSDP2 on a 1-rank mesh: each rank trains on the whole batch
         self.model = build(loop, seed)
         if distributed and strategy == "fsdp2":
             shard(self.model, mesh)
@@ -132,8 +133,6 @@ class Run:
         if self.distributed and not (self.strategy == "fsdp2" and self.solo):
             return x.chunk(self.ctx.world)[self.ctx.rank], y.chunk(self.ctx.world)[self.ctx.rank]
         return x, y
-
-    solo = False  # FSDP2 on a 1-rank mesh: each rank trains on the whole batch
 
     def record(self, loss: torch.Tensor) -> None:
         if self.distributed and not self.solo:
