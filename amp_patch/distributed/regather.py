@@ -39,12 +39,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from amp_patch.session import AmpSession
 
 __all__ = ["install", "unsharded_params"]
+
+_compiling = torch.compiler.is_compiling
 
 
 def unsharded_params(state) -> Iterator[nn.Parameter]:
@@ -90,7 +93,8 @@ def install(session: "AmpSession", states: list) -> int:
     handles = []
     for state in states:
         def drop(*_args, _state=state) -> None:
-            cache.forget(unsharded_params(_state))
+            if not _compiling():  # compiled code casts in the graph, without the cache
+                cache.forget(unsharded_params(_state))
 
         for module in state._modules:
             handles.append(module.register_forward_pre_hook(drop))
