@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_patch import session as _session
+from amp_patch.distributed import agree
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.patching.patcher import Patcher
 
@@ -691,6 +692,26 @@ def _log_once(support: CpuHalfSupport) -> None:
         logger.info("CPU half compute on this host: %s", support.describe())
 
 
+def _agreed(p: CpuHalfPlan | None) -> CpuHalfPlan | None:
+    """``p``, emulating every op class that any rank of the process group emulates.
+
+    The host's answer comes from a timed probe and an environment variable,
+    either of which can differ between ranks (a busy core, another node);
+    the plan decides the numerics, so the ranks take one plan: an op class
+    is emulated everywhere if one rank must. Whether a plan exists at all
+    follows from the session's properties and the models' device, the same
+    on every rank. One all-reduce at initialize, only under torch.distributed.
+    """
+    if p is None or not agree.group_active():
+        return p
+    matmul, conv = (bool(v) for v in agree.agree_max([p.emulate_matmul, p.emulate_conv]))
+    if (matmul, conv) == (p.emulate_matmul, p.emulate_conv):
+        return p
+    logger.info("CPU half compute: another rank emulates what this host runs natively; this "
+                "rank emulates it too, so that all ranks compute alike")
+    return dataclasses.replace(p, emulate_matmul=matmul, emulate_conv=conv)
+
+
 def install(session) -> CpuHalfPlan | None:
     """Install the emulating wrappers when the session computes in half on a CPU that needs them.
 
@@ -716,7 +737,7 @@ def install(session) -> CpuHalfPlan | None:
     if not (session.props.enabled and _on_cpu(session.models)):
         return None
     _log_once(cpu_half_support())
-    p = session.cpu_half = _session_plan(session)
+    p = session.cpu_half = _agreed(_session_plan(session))
     if p is None or not p.emulates:
         if p is not None:
             logger.debug("%s", p.describe())

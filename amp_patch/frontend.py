@@ -13,10 +13,14 @@ from amp_patch import (
     _logging,
     cpu_half as _cpu_half,
     model as _model,
+    ops as _ops,
     optim as _optim,
     session as _session,
 )
+from amp_patch.distributed import agree as _agree
+from amp_patch.distributed import debug as _debug
 from amp_patch.distributed import fsdp as _fsdp
+from amp_patch.distributed import regather as _regather
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.patching import install as _install_patches
@@ -181,13 +185,17 @@ def _build(session: _session.AmpSession) -> None:
     _cpu_half.install(session)
     if props.patch_torch_functions:
         _install_patches(session)
+        if session.sharding is not None:
+            _regather.install(session, session.sharding.states)
     for optimizer in session.optimizers:
         session.optimizer_records[id(optimizer)] = _optim.process(
             optimizer, bool(props.master_weights), session.on_close, disable_casts)
     session.scalers = [LossScaler.from_properties(props, loss_id=i)
                        for i in range(props.num_losses)]
+    _debug.install(session)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         _fsdp.install_order_guard(session)
+        _agree.check_kernels(_ops.native_extension_loaded())
 
 
 def deinitialize() -> None:

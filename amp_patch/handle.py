@@ -122,7 +122,10 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
                      delay_overflow_check: bool) -> Iterator[Tensor]:
     """The body of :func:`scale_loss` once its arguments are checked: yields the scaled loss."""
     # A scale set after initialize (Apex's ``_amp_state.loss_scalers[i]._loss_scale``) is used.
+    check = session.rank_check  # AMP_PATCH_DEBUG_RANKS=1 (amp_patch/distributed/debug.py)
     if session.props.skips_unscale and session.scalers[loss_id].loss_scale == 1.0:
+        if check is not None:
+            check.at_entry(session, loss_id, delay_unscale, delay_overflow_check, fast=True)
         try:
             yield loss.float()
         finally:
@@ -130,6 +133,8 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         return
 
     scaler = session.scalers[loss_id]
+    if check is not None:  # before anything is changed, so that a mismatch leaves all as it was
+        check.at_entry(session, loss_id, delay_unscale, delay_overflow_check, fast=False)
     for record in records:
         # Grads an earlier exit left scaled for a one-pass step: unscaled now, before this
         # backward adds to them, as that exit would have done.
@@ -155,11 +160,14 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         in_place: list[Tensor] = []
         copy: tuple[list[Tensor], list[Tensor]] = ([], [])
         accumulate: tuple[list[Tensor], list[Tensor]] = ([], [])
+        deferred = 0
         for record in records:
             # The one-pass O2 step reads the grads itself; without the overflow check that
             # follows, a step on non-finite grads must see them unscaled, as it always did.
             if delay_overflow_check or not record.defer_unscale(scaler):
                 record.collect_unscale(in_place, copy, accumulate)
+            else:
+                deferred += 1
         scaler.unscale(in_place, copy, accumulate)
         if delay_overflow_check:
             return
@@ -173,6 +181,9 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         if overflow:
             for record in records:
                 record.skip_next_step = True
+        if check is not None:
+            check.at_exit(session, scaler, len(in_place) + len(copy[0]) + len(accumulate[0]),
+                          deferred, overflow)
     finally:
         _end_iteration(session)
 
@@ -211,6 +222,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
 def _end_iteration(session: _session.AmpSession) -> None:
     if session.casts is not None:
         session.casts.cache.clear()
+    if session.rank_check is not None:
+        session.rank_check.iteration_ended(session)
 
 
 def _as_optimizer_list(optimizers) -> list[torch.optim.Optimizer]:

@@ -22,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from amp_patch.cpu_half import CpuHalfPlan
+    from amp_patch.distributed.debug import RankCheck
     from amp_patch.distributed.fsdp import ShardingPlan
     from amp_patch.optim import OptimizerRecord
     from amp_patch.patching.state import CastState
@@ -59,6 +60,9 @@ class AmpSession:
             (:mod:`amp_patch.cpu_half`); None when nothing computes in half there.
         sharding (ShardingPlan or None): what amp changed in the FSDP2 states of
             the models (:mod:`amp_patch.distributed.fsdp`); None when none is sharded.
+        rank_check (RankCheck or None): the cross-rank check of each step's
+            decisions (``AMP_PATCH_DEBUG_RANKS=1``, :mod:`amp_patch.distributed.debug`);
+            None when off.
     """
 
     def __init__(self, props: "Properties", models: list[torch.nn.Module],
@@ -73,6 +77,7 @@ class AmpSession:
         self.serial = next(_serials)
         self.cpu_half: CpuHalfPlan | None = None
         self.sharding: ShardingPlan | None = None
+        self.rank_check: RankCheck | None = None
         # (what, undo, abort-only undo or None): see on_close.
         self._undo: list[tuple[str, Callable[[], None] | None, Callable[[], None] | None]] = []
         self.closed = False

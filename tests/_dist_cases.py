@@ -679,21 +679,26 @@ def worker_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def launch(world: int, names: list[str], out: Path, tag: str) -> dict[str, str]:
-    """Run the cases in a fresh gloo group of ``world`` processes; ``{case: "ok" or why not}``."""
+def launch(world: int, names: list[str], out: Path, tag: str, script: str = __file__,
+           env: dict[str, str] | None = None) -> dict[str, str]:
+    """Run the cases in a fresh gloo group of ``world`` processes; ``{case: "ok" or why not}``.
+
+    ``script`` is a case file whose ``__main__`` calls :func:`main` with its cases
+    (this file by default); ``env`` adds to the workers' environment.
+    """
     import subprocess
 
     from training_utils import free_port
 
-    env = dict(worker_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(world))
+    env = dict(worker_env(), **(env or {}), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
     logs = [out / f"{tag}-rank{r}.log" for r in range(world)]
     for r in range(world):
         (out / f"results-{r}.json").unlink(missing_ok=True)
     procs = []
     for r in range(world):
         with open(logs[r], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, str(out), ",".join(names)],
+            procs.append(subprocess.Popen([sys.executable, script, str(out), ",".join(names)],
                                           env=dict(env, RANK=str(r)), stdout=log,
                                           stderr=subprocess.STDOUT))
     return collect(names, world, out, logs, wait_all(procs, GROUP_TIMEOUT))
@@ -702,7 +707,9 @@ def launch(world: int, names: list[str], out: Path, tag: str) -> dict[str, str]:
 # --------------------------------------------------------------------------- driver
 
 
-def main() -> None:
+def main(cases: dict[str, Callable[[Ctx], None]] | None = None) -> None:
+    """Run the cases named in ``sys.argv`` from ``cases`` (this file's :data:`CASES` by default)."""
+    cases = CASES if cases is None else cases
     out, names = Path(sys.argv[1]), sys.argv[2].split(",")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
     ctx = Ctx(out)
@@ -710,7 +717,7 @@ def main() -> None:
     results = {}
     for name in names:
         try:
-            CASES[name](ctx)
+            cases[name](ctx)
             results[name] = "ok"
         except Exception:  # recorded; the other cases still run
             results[name] = traceback.format_exc()

@@ -7,7 +7,14 @@ from typing import NamedTuple
 
 import torch
 
+from amp_patch.dtypes import HALF_DTYPES
+
 __all__ = ["WeightCastCache", "cacheable"]
+
+#: Keeps :attr:`WeightCastCache.digest` exact in a float64.
+_DIGEST_MOD = (1 << 47) - 115
+#: The dtypes an fp32 parameter is cast to (the keys' second half).
+_TARGETS = tuple(HALF_DTYPES)
 
 
 def cacheable(tensor: torch.Tensor) -> bool:
@@ -58,6 +65,10 @@ class WeightCastCache:
     Attributes:
         casts (int): casts made through this cache so far (for tests and
             diagnostics).
+        digest (int): a running digest of the sizes of those casts, in their
+            order, which a cache hit instead of a cast changes (compared across
+            ranks by ``AMP_PATCH_DEBUG_RANKS=1``, see
+            :mod:`amp_patch.distributed.debug`).
 
     Example::
 
@@ -70,6 +81,7 @@ class WeightCastCache:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.casts = 0
+        self.digest = 0
         self._entries: dict[tuple[int, torch.dtype], _Entry] = {}
         self._refs: dict[int, weakref.ref] = {}
 
@@ -105,6 +117,7 @@ class WeightCastCache:
         if not self.enabled:
             return cast
         self.casts += 1
+        self.digest = (self.digest * 1_000_003 + param.numel() + 1) % _DIGEST_MOD
         pid = id(param)
         if pid not in self._refs:
             self._refs[pid] = weakref.ref(param, self._forget_callback(pid))
@@ -125,6 +138,31 @@ class WeightCastCache:
         self._refs.pop(pid, None)
         for key in [k for k in self._entries if k[0] == pid]:
             del self._entries[key]
+
+    def forget(self, params) -> None:
+        """Drop every entry of each of ``params``: their next use casts again.
+
+        For parameters whose storage is refilled without a version bump, such
+        as FSDP2's unsharded parameters, which every all-gather writes anew
+        into a storage freed and reallocated in place: an allocator that hands
+        the same address back would otherwise make a stale entry look valid
+        (see :mod:`amp_patch.distributed.regather`).
+
+        Args:
+            params (iterable of torch.Tensor): the parameters.
+
+        Example::
+
+            >>> cache.forget([linear.weight])
+            >>> cache.cast(linear.weight, torch.bfloat16)  # cast anew
+        """
+        entries = self._entries
+        if not entries:
+            return
+        for param in params:
+            pid = id(param)
+            for dtype in _TARGETS:
+                entries.pop((pid, dtype), None)
 
     def drop_no_grad_entries(self) -> None:
         """Drop the casts made with grad disabled (the O1 hooks do this as an evaluation forward
