@@ -38,9 +38,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from amp_patch import session as _session
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.patching.patcher import Patcher
+# The settings own the modes; the names here stay public.
+from amp_patch.properties import CPU_HALF_MODES as MODES
+from amp_patch.properties import Properties
+from amp_patch.properties import check_cpu_half_mode as check_mode
 
 __all__ = [
     "MODES",
@@ -60,9 +63,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("amp_patch")
-
-#: The values of the ``cpu_half_compute`` property.
-MODES = ("auto", "native", "emulate")
 
 #: Environment variable that replaces detection: a comma-separated list of the
 #: half dtypes to treat as native (``bf16``, ``fp16``, ``bfloat16``, ``float16``),
@@ -448,20 +448,6 @@ class CpuHalfPlan:
         return out
 
 
-def check_mode(value: Any) -> str:
-    """``value`` when it is one of :data:`MODES`.
-
-    Raises:
-        ValueError: otherwise, naming the choices.
-    """
-    if not (isinstance(value, str) and value in MODES):
-        raise ValueError(
-            "cpu_half_compute must be 'auto' (emulate half matmuls where the CPU has no native "
-            f"half), 'native' or 'emulate', got {value!r}"
-        )
-    return value
-
-
 def plan(cpu_half_compute: str = "auto", half_dtype: torch.dtype = torch.bfloat16,
          support: CpuHalfSupport | None = None) -> CpuHalfPlan:
     """What ``cpu_half_compute`` means on this host for ``half_dtype``.
@@ -498,10 +484,9 @@ def plan(cpu_half_compute: str = "auto", half_dtype: torch.dtype = torch.bfloat1
                        host_matmul=s.matmul, host_conv=s.conv)
 
 
-def _session_plan(session) -> CpuHalfPlan | None:
+def _session_plan(props: Properties, models: list[torch.nn.Module]) -> CpuHalfPlan | None:
     """The plan of a session that computes in half on the CPU; None for one that does not."""
-    props = session.props
-    if not props.enabled or not _on_cpu(session.models):
+    if not props.enabled or not _on_cpu(models):
         return None
     if props.cast_model_type in HALF_DTYPES:
         dtype = props.cast_model_type
@@ -517,6 +502,10 @@ def _on_cpu(models) -> bool:
                for t in (*m.parameters(), *m.buffers()) if t.is_floating_point())
 
 
+#: The live session's plan: set by :func:`install`, cleared when that session closes.
+_live_plan: CpuHalfPlan | None = None
+
+
 def current_plan() -> CpuHalfPlan | None:
     """The live session's plan (decided at its :func:`amp_patch.initialize`), or None when no
     session computes in half on the CPU.
@@ -527,8 +516,7 @@ def current_plan() -> CpuHalfPlan | None:
         >>> amp_patch.cpu_half.current_plan().mode
         'native'
     """
-    live = _session.current()
-    return None if live is None else live.cpu_half
+    return _live_plan
 
 
 def banner(half_dtype: torch.dtype = torch.bfloat16, cpu_half_compute: str = "auto", *,
@@ -691,18 +679,21 @@ def _log_once(support: CpuHalfSupport) -> None:
         logger.info("CPU half compute on this host: %s", support.describe())
 
 
-def install(session) -> CpuHalfPlan | None:
+def install(props: Properties, models: list[torch.nn.Module],
+            on_close: Callable[..., None]) -> CpuHalfPlan | None:
     """Install the emulating wrappers when the session computes in half on a CPU that needs them.
 
     It is what :func:`amp_patch.initialize` calls, before the O1 patches.
     For models on the CPU it logs the host's answer (once per answer and
     process). When the session computes in half there (O1, or a model cast
-    to half at O2/O3) it sets ``session.cpu_half`` to the plan; when the plan
-    emulates, it patches the op classes that the plan names and registers
-    their undo with the session ("CPU half emulation").
+    to half at O2/O3) the plan becomes :func:`current_plan` until the session
+    closes; when the plan emulates, it patches the op classes that the plan
+    names and registers their undo with ``on_close`` ("CPU half emulation").
 
     Args:
-        session (AmpSession): the session being built.
+        props (Properties): the session's settings.
+        models (list of torch.nn.Module): the models passed to initialize.
+        on_close (callable): ``on_close(what, undo)`` registers an undo with the session.
 
     Returns:
         CpuHalfPlan or None: the plan; None when the session computes no half
@@ -710,19 +701,28 @@ def install(session) -> CpuHalfPlan | None:
 
     Example::
 
-        >>> install(session).mode
+        >>> install(session.props, session.models, session.on_close).mode
         'emulate'
     """
-    if not (session.props.enabled and _on_cpu(session.models)):
+    global _live_plan
+    if not (props.enabled and _on_cpu(models)):
         return None
     _log_once(cpu_half_support())
-    p = session.cpu_half = _session_plan(session)
+    p = _session_plan(props, models)
+    if p is not None:
+        def forget() -> None:
+            global _live_plan
+            if _live_plan is p:
+                _live_plan = None
+
+        _live_plan = p
+        on_close("the live CPU half plan", forget)
     if p is None or not p.emulates:
         if p is not None:
             logger.debug("%s", p.describe())
         return p
     patcher = Patcher()
-    session.on_close("CPU half emulation", patcher.undo_all)
+    on_close("CPU half emulation", patcher.undo_all)
     for namespace, _, name in targets(p.emulate_matmul, p.emulate_conv):
         patcher.patch(namespace, name, functools.partial(_emulator, dtype=p.half_dtype, name=name))
     logger.info("%s", p.describe())

@@ -175,19 +175,41 @@ def initialize(
 
 def _build(session: _session.AmpSession) -> None:
     props = session.props
-    session.sharding = _fsdp.prepare(session)  # before the cast: it says what FSDP casts itself
-    _model.prepare(session)
+    # Each stage gets what it needs of the session (the settings, the models, on_close, the
+    # masters) and returns what the session keeps; none of them looks the session up.
+    # Before the cast: the sharding plan says what FSDP casts itself.
+    session.sharding = _fsdp.prepare(props, session.models, session.on_close)
+    _model.prepare(props, session.models, session.on_close, sharding=session.sharding,
+                   master_for=session.master_for, load_master=session.load_master)
     # Before O1's patches, so that O1's wrappers call the emulating ones they find.
-    _cpu_half.install(session)
+    session.cpu_half = _cpu_half.install(props, session.models, session.on_close)
     if props.patch_torch_functions:
-        _install_patches(session)
+        install_casts(session)
     for optimizer in session.optimizers:
         session.optimizer_records[id(optimizer)] = _optim.process(
             optimizer, bool(props.master_weights), session.on_close, disable_casts)
     session.scalers = [LossScaler.from_properties(props, loss_id=i)
                        for i in range(props.num_losses)]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        _fsdp.install_order_guard(session)
+        _fsdp.install_order_guard(session.models, session.optimizer_records.values(),
+                                  session.on_close)
+
+
+def install_casts(session: _session.AmpSession, *, allow_banned: bool = False,
+                  enable_caching: bool = True) -> None:
+    """Install O1's patches for ``session`` and keep their state in ``session.casts``.
+
+    ``session.casts`` goes back to None when the session closes, after the
+    patches are undone.
+
+    Args:
+        session (AmpSession): the session being built.
+        allow_banned (bool, optional): see :func:`amp_patch.patching.install`. Default: False.
+        enable_caching (bool, optional): see :func:`amp_patch.patching.install`. Default: True.
+    """
+    session.on_close("the session's O1 state", lambda: setattr(session, "casts", None))
+    session.casts = _install_patches(session.props.half_dtype, session.models, session.on_close,
+                                     allow_banned=allow_banned, enable_caching=enable_caching)
 
 
 def deinitialize() -> None:

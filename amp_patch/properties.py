@@ -8,18 +8,39 @@ from typing import Any, Union
 
 import torch
 
-from amp_patch.cpu_half import check_mode as check_cpu_half_mode
 from amp_patch.dtypes import check_half_dtype
 
-__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS"]
+__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS", "CPU_HALF_MODES",
+           "check_cpu_half_mode"]
 
 DYNAMIC = "dynamic"
 #: Consecutive skipped steps a static loss scale allows before it is an error.
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 50
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
+#: The values of the ``cpu_half_compute`` property (:mod:`amp_patch.cpu_half` acts on them).
+CPU_HALF_MODES = ("auto", "native", "emulate")
 
 # cast_model_type: a dtype, None (leave the model alone) or False (no model or input casting).
 CastType = Union[torch.dtype, None, bool]
+
+
+def check_cpu_half_mode(value: Any) -> str:
+    """``value`` when it is one of :data:`CPU_HALF_MODES`.
+
+    Raises:
+        ValueError: otherwise, naming the choices.
+
+    Example::
+
+        >>> check_cpu_half_mode("emulate")
+        'emulate'
+    """
+    if not (isinstance(value, str) and value in CPU_HALF_MODES):
+        raise ValueError(
+            "cpu_half_compute must be 'auto' (emulate half matmuls where the CPU has no native "
+            f"half), 'native' or 'emulate', got {value!r}"
+        )
+    return value
 
 
 # Placeholder in the presets for the session's half dtype; resolved in from_opt_level.

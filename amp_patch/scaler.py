@@ -11,7 +11,7 @@ one host sync of an iteration and then changes the mirror and the device
 tensors together, so the two never disagree.
 
 Every tensor of one fused op call must be on one device. Here,
-:func:`group_by_device_and_dtype` splits the lists of the unscale passes; the
+:func:`~amp_patch.tensors.group_by_device_and_dtype` splits the lists of the unscale passes; the
 copy of the masters into the model and :func:`amp_patch.clip_grad_norm_`
 (``FP16_Optimizer.clip_master_grads`` among its callers) use it too. The other fused calls split
 their lists themselves: :meth:`LossScaler.check` and the fused optimizers'
@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.distributed.fsdp import local_tensors
 from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
+from amp_patch.tensors import group_by_device_and_dtype  # re-exported: it was public here
 
 __all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype", "unscale_grads"]
 
@@ -43,49 +43,6 @@ INITIAL_DYNAMIC_SCALE = 2.0**16
 SCALE_WINDOW = 2000
 #: Floor below which the scale must never go (it would reach denormals, then 0).
 DEFAULT_MIN_LOSS_SCALE = 2.0**-24
-
-GroupKey = tuple[torch.device, torch.dtype]
-
-
-def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[list[Tensor], ...]]:
-    """Split parallel lists of tensors by the (device, dtype) of the first list's tensors.
-
-    Each fused op call takes tensors of one device. The ops do not need the
-    split by dtype (they take lists that mix dtypes and run each tensor with
-    its dtype's kernel); with it, each call gets one dtype, and a caller that
-    reduces per group (a norm) combines one result per (device, dtype). The
-    lists are kept parallel: element ``i`` of every list lands in the same
-    group, in the original order.
-    A DTensor (FSDP2's sharded params and grads) lands as its local shard
-    (:func:`amp_patch.distributed.fsdp.local_tensors`): each rank works on its own.
-
-    Args:
-        *lists (sequence of Tensor): lists of equal length; the first decides the groups.
-
-    Returns:
-        dict: ``(device, dtype)`` to a tuple with one list per input list.
-
-    Example::
-
-        >>> groups = group_by_device_and_dtype(model_grads, master_grads)
-        >>> for (device, dtype), (src, dst) in groups.items():
-        ...     ops.multi_tensor_unscale_copy_(src, dst, found_inf, inv_scale)
-    """
-    if not lists:
-        return {}
-    lists = tuple(local_tensors(list(lst)) for lst in lists)
-    n = len(lists[0])
-    if any(len(lst) != n for lst in lists):
-        raise ValueError("group_by_device_and_dtype: the lists must have equal lengths")
-    groups: dict[GroupKey, tuple[list[Tensor], ...]] = {}
-    for i, key_tensor in enumerate(lists[0]):
-        key = (key_tensor.device, key_tensor.dtype)
-        bucket = groups.get(key)
-        if bucket is None:
-            bucket = groups[key] = tuple([] for _ in lists)
-        for out, lst in zip(bucket, lists):
-            out.append(lst[i])
-    return groups
 
 
 def unscale_grads(in_place: Iterable[Tensor], copy: tuple[Sequence[Tensor], Sequence[Tensor]],

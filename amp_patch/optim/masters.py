@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from amp_patch import ops
 from amp_patch.dtypes import HALF_DTYPES
-from amp_patch.scaler import group_by_device_and_dtype
+from amp_patch.tensors import group_by_device_and_dtype
 
 __all__ = ["MasterWeights", "clear_grads", "match_state_to_params"]
 

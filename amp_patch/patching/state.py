@@ -1,4 +1,10 @@
-"""The O1 casting state of a session, and :func:`disable_casts`."""
+"""The O1 casting state of a session, and :func:`disable_casts`.
+
+:func:`amp_patch.patching.install` makes the live session's
+:class:`CastState` the active one (:func:`active`) and registers the undo
+that forgets it when the session closes; this module never looks the session
+up.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,10 @@ from typing import Iterator
 
 import torch
 
-from amp_patch import session as _session
 from amp_patch.dtypes import check_half_dtype
 from amp_patch.patching.cache import WeightCastCache
 
-__all__ = ["CastState", "disable_casts", "active"]
+__all__ = ["CastState", "disable_casts", "active", "set_active"]
 
 
 class CastState:
@@ -76,10 +81,27 @@ class CastState:
                 self.enabled = self._paused == 0
 
 
+#: The live session's state while its O1 patches are installed (see set_active).
+_active: CastState | None = None
+
+
 def active() -> CastState | None:
     """The live session's :class:`CastState` when O1 patching is installed, else None."""
-    live = _session.current()
-    return None if live is None else live.casts
+    return _active
+
+
+def set_active(state: CastState | None) -> None:
+    """Make ``state`` the one :func:`active` returns; None when the session's patches go.
+
+    Only :func:`amp_patch.patching.install` and its undo call it.
+
+    Raises:
+        RuntimeError: if another state is active (two sessions never patch at once).
+    """
+    global _active
+    if state is not None and _active is not None and _active is not state:
+        raise RuntimeError("amp_patch: another session's O1 patches are still installed")
+    _active = state
 
 
 @contextlib.contextmanager
