@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.dtypes import HALF_DTYPE_NAMES, HALF_DTYPE_SPELLINGS, HALF_DTYPES, half_dtype_name
 from amp_patch.patching.patcher import Patcher
 # The settings own the modes; the names here stay public.
 from amp_patch.properties import CPU_HALF_MODES as MODES
@@ -76,10 +76,6 @@ ENV_VAR = "AMP_PATCH_CPU_HALF_NATIVE"
 #: numerics of a run, does not change from one process to the next.
 PROBE_RATIO_LIMIT = 2.5
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
-#: The half dtypes' short names, in the order reports list them.
-_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ONEDNN_CHECKS = {torch.bfloat16: "_is_mkldnn_bf16_supported",
                   torch.float16: "_is_mkldnn_fp16_supported"}
 #: The host flags that decide half speed, as /proc/cpuinfo spells them (x86, then Arm).
@@ -178,7 +174,7 @@ class CpuHalfSupport:
     def describe(self) -> str:
         """One line: the host kind, then for bf16 and fp16 whether they are native and why."""
         return f"{self.host()}: " + "; ".join(
-            f"{_SHORT[d]} {_describe_dtype(self.of(d))}" for d in _SHORT
+            f"{name} {_describe_dtype(self.of(d))}" for name, d in HALF_DTYPE_NAMES.items()
         ) + ("" if self.source == "detected" else f" [{self.source}]")
 
     def as_dict(self) -> dict[str, Any]:
@@ -186,8 +182,8 @@ class CpuHalfSupport:
         out: dict[str, Any] = {"cpu": self.cpu, "capability": self.capability,
                                "flags": None if self.flags is None else list(self.flags),
                                "host": self.host(), "source": self.source}
-        for dtype in _SHORT:
-            out[_SHORT[dtype]] = dict(dataclasses.asdict(self.of(dtype)), native=self.native(dtype))
+        for name, dtype in HALF_DTYPE_NAMES.items():
+            out[name] = dict(dataclasses.asdict(self.of(dtype)), native=self.native(dtype))
         return out
 
 
@@ -296,13 +292,13 @@ def _from_env(value: str) -> CpuHalfSupport:
     names = {n.strip().lower() for n in value.split(",") if n.strip()}
     native = set()
     if names != {"none"}:
-        unknown = sorted(names - set(_DTYPE_NAMES))
+        unknown = sorted(names - set(HALF_DTYPE_SPELLINGS))
         if unknown:
             raise ValueError(
                 f"{ENV_VAR} must list half dtypes (bf16, fp16, bfloat16, float16) or be 'none', "
                 f"got {value!r}"
             )
-        native = {_DTYPE_NAMES[n] for n in names}
+        native = {HALF_DTYPE_SPELLINGS[n] for n in names}
     cpu, capability, flags = _host()
     return CpuHalfSupport(cpu, capability, flags, _forced(torch.bfloat16 in native),
                           _forced(torch.float16 in native), source="env")
@@ -429,7 +425,7 @@ class CpuHalfPlan:
 
     def describe(self) -> str:
         """One sentence: what runs how, and why."""
-        h = _SHORT[self.half_dtype]
+        h = half_dtype_name(self.half_dtype)
         host = ("has native " + h if self.host_matmul and self.host_conv
                 else f"has no native {h} " + ("convolution" if self.host_matmul else "matmul"))
         why = f"cpu_half_compute={self.requested!r}; this host {host}"
@@ -444,7 +440,7 @@ class CpuHalfPlan:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-able dict: the fields (the dtype as ``"bf16"``/``"fp16"``) and ``mode``."""
         out = dataclasses.asdict(self)
-        out.update(half_dtype=_SHORT[self.half_dtype], mode=self.mode)
+        out.update(half_dtype=half_dtype_name(self.half_dtype), mode=self.mode)
         return out
 
 
@@ -543,7 +539,7 @@ def banner(half_dtype: torch.dtype = torch.bfloat16, cpu_half_compute: str = "au
     """
     support = support or cpu_half_support()
     p = plan(cpu_half_compute, half_dtype, support)
-    h = _SHORT[half_dtype]
+    h = half_dtype_name(half_dtype)
     if p.emulates:
         here = (f"here {h} matmuls ran at about fp32 speed (emulated), so O1-O3 run near O0's "
                 "speed and their differences come from casts, elementwise ops and memory traffic")

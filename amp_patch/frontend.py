@@ -12,6 +12,7 @@ from torch import nn
 from amp_patch import (
     _logging,
     cpu_half as _cpu_half,
+    levels as _levels,
     model as _model,
     optim as _optim,
     session as _session,
@@ -377,7 +378,7 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
     shown = ", ".join(foreign[:5]) + (f", and {n - 5} more" if n > 5 else "")
     what = (f"{n} parameter{'s' if n > 1 else ''} of the optimizers belong{'s' if n == 1 else ''} "
             f"to none of the models passed to amp_patch.initialize(): {shown}")
-    if props.opt_level in ("O2", "O3"):
+    if _levels.get(props.opt_level).casts_model_to_half:  # O2, O3
         raise ValueError(f"{what}. {props.opt_level} casts the models passed, so the optimizer "
                          "must be built over their parameters: pass every model it steps.")
     warnings.warn(f"{what}. amp will step them but casts nothing for them; pass every model "

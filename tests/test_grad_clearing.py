@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import amp_patch as amp
+from amp_patch.levels import NAMES as LEVELS
 from training_utils import (assert_identical, conv_batch, convnet, mlp, mlp_batch, single_thread,
                             snapshot, xent)
 
-LEVELS = ["O0", "O1", "O2", "O3"]
 STEPS = 4
 
 

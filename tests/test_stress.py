@@ -17,9 +17,9 @@ import torch
 
 import amp_patch as amp
 from amp_patch import session as amp_session
+from amp_patch.levels import NAMES as LEVELS
 from training_utils import mlp, mlp_batch, single_thread, xent
 
-LEVELS = ["O0", "O1", "O2", "O3"]
 CLEARERS = ["optimizer", "model", "none_by_hand"]
 
 

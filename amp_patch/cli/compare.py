@@ -30,7 +30,8 @@ from amp_patch.cli import machine, models, ranks
 from amp_patch.cli.options import UsageError, check_output_dir, check_output_file, parse_device
 from amp_patch.cli.progress import make_progress
 from amp_patch.cli.rounds import JobSpec, LevelRecord, measure, split_steps
-from amp_patch.cli.trainer import HALF_DTYPES, LEVELS
+from amp_patch.cli.trainer import LEVELS
+from amp_patch.dtypes import HALF_DTYPE_NAMES
 
 __all__ = ["LEVELS", "DEMO_STEPS", "FULL_STEPS", "LevelResult", "Comparison", "add_parser",
            "run_compare", "render_table", "write_plot", "validate", "check_model"]
@@ -525,7 +526,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="timed rounds the remaining steps are split into (default: 8)")
     p.add_argument("--batch-size", type=int, default=None, help="batch size (default: the model's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--half-dtype", choices=sorted(HALF_DTYPES), default=None,
+    p.add_argument("--half-dtype", choices=sorted(HALF_DTYPE_NAMES), default=None,
                    help="the half type (default: fp16 on CUDA, bf16 on CPU)")
     p.add_argument("--levels", nargs="+", type=_level, default=None, metavar="LEVEL",
                    help=f"levels to run, from {' '.join(LEVELS)} (default: all; autocast is "

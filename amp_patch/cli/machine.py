@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from amp_patch import cpu_half
-from amp_patch.cli.trainer import HALF_DTYPES
+from amp_patch.dtypes import HALF_DTYPE_NAMES
 
 __all__ = [
     "LOAD_AVERAGE_LIMIT",
@@ -305,7 +305,7 @@ def cpu_half_banner(facts: HostFacts, half_dtype: str) -> str | None:
     """
     if not facts.device.startswith("cpu"):
         return None
-    return cpu_half.banner(HALF_DTYPES[half_dtype], "auto")
+    return cpu_half.banner(HALF_DTYPE_NAMES[half_dtype], "auto")
 
 
 def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
@@ -316,7 +316,7 @@ def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
     """
     if not facts.device.startswith("cpu"):
         return None
-    return cpu_half.plan("auto", HALF_DTYPES[half_dtype]).as_dict()
+    return cpu_half.plan("auto", HALF_DTYPE_NAMES[half_dtype]).as_dict()
 
 
 def autocast_is_slow(facts: HostFacts, half_dtype: str) -> bool:

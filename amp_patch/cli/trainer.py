@@ -15,16 +15,18 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import amp_patch as amp
+from amp_patch import levels
 from amp_patch.cli import ranks
+from amp_patch.dtypes import HALF_DTYPE_NAMES
 
 __all__ = ["LEVELS", "AMP_LEVELS", "HALF_DTYPES", "LevelTrainer", "CpuPeak"]
 
-#: Every level, in the order tools run and report them.
-LEVELS = ("O0", "O1", "O2", "O3", "autocast")
-#: The levels that go through :func:`amp_patch.initialize`.
-AMP_LEVELS = ("O0", "O1", "O2", "O3")
-#: Command-line names of the half types.
-HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The levels that go through :func:`amp_patch.initialize` (the registry's names).
+AMP_LEVELS = levels.NAMES
+#: Every level, in the order tools run and report them: amp's, then torch.autocast.
+LEVELS = (*AMP_LEVELS, "autocast")
+#: Command-line names of the half types (:data:`amp_patch.dtypes.HALF_DTYPE_NAMES`).
+HALF_DTYPES = HALF_DTYPE_NAMES
 
 
 class LevelTrainer:
