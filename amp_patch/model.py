@@ -12,7 +12,7 @@ weights O2 trains), else the half tensor cast to fp32. ``load_state_dict``
 takes fp32 or half entries, and a master takes the loaded value exactly.
 
 Which tensors are cast: floating tensors of fp16, bf16 and fp32, the same rule
-as O1's wrappers (SPEC section 3). float64 passes through, so a caller who
+as O1's wrappers (docs/design.md, "O1 casting"). float64 passes through, so a caller who
 deliberately feeds doubles (a double-precision target, say) keeps them;
 integer, bool and complex tensors, strings, ndarrays and other objects pass
 through untouched.

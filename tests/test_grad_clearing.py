@@ -1,4 +1,5 @@
-"""Master grads never carry over between iterations, however the grads are cleared (issue 9.1).
+"""Master grads never carry over between iterations, however the grads are cleared
+(docs/design.md, "Model casting and master weights").
 
 Apex released the fp32 master grads after every ``step()`` and every skipped
 step, because ``model.zero_grad()`` cannot reach them. Training must therefore

@@ -1,4 +1,4 @@
-"""apex.parallel.LARC: Apex's trust-ratio math around any optimizer, accepted at every level (issue 9.7)."""
+"""apex.parallel.LARC: Apex's trust-ratio math around any optimizer, accepted at every level."""
 
 from __future__ import annotations
 

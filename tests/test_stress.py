@@ -1,4 +1,4 @@
-"""Many initialize/train/deinitialize cycles in one process (issue 9.15).
+"""Many initialize/train/deinitialize cycles in one process.
 
 One long process used to make a later initialize look as if it had not
 registered its optimizer. The cycles here mix opt levels, numbers of losses,

@@ -108,7 +108,7 @@ class LMConfig:
     fused_adam: bool = False
 
 
-#: The benchmark's default LM (PERFORMANCE.md): about 21 M parameters.
+#: The benchmark's default LM (E1 and E2 in docs/design.md, "Performance targets"): about 21 M parameters.
 BENCH_LM = LMConfig()
 
 #: The default of ``amp-patch compare``: small enough that five levels train in
