@@ -508,7 +508,8 @@ def current_plan() -> CpuHalfPlan | None:
 
     Example::
 
-        >>> amp.initialize(model, opt, opt_level="O2")
+        >>> with amp_patch.cpu_half.override(bfloat16=True):  # as on a host with native bf16
+        ...     model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16)
         >>> amp_patch.cpu_half.current_plan().mode
         'native'
     """
@@ -535,7 +536,8 @@ def banner(half_dtype: torch.dtype = torch.bfloat16, cpu_half_compute: str = "au
 
     Example::
 
-        >>> print(amp_patch.cpu_half.banner(torch.bfloat16))
+        >>> len(amp_patch.cpu_half.banner(torch.bfloat16).splitlines())
+        3
     """
     support = support or cpu_half_support()
     p = plan(cpu_half_compute, half_dtype, support)
@@ -697,8 +699,14 @@ def install(props: Properties, models: list[torch.nn.Module],
 
     Example::
 
-        >>> install(session.props, session.models, session.on_close).mode
+        >>> from amp_patch.properties import Properties
+        >>> props = Properties.from_opt_level("O2", torch.bfloat16)
+        >>> undos = []
+        >>> with override(bfloat16=False):  # as on a host without native bf16
+        ...     install(props, [model], lambda what, undo: undos.append(undo)).mode
         'emulate'
+        >>> for undo in reversed(undos):  # what the session's close does
+        ...     undo()
     """
     global _live_plan
     if not (props.enabled and _on_cpu(models)):

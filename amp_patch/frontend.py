@@ -116,6 +116,7 @@ def initialize(
     Example::
 
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> loss = loss_fn(model(x), y)
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
         >>> optimizer.step()
@@ -224,6 +225,10 @@ def deinitialize() -> None:
 
     Example::
 
+        >>> original_mm = torch.mm
+        >>> model, opt = amp.initialize(model, opt, opt_level="O1")
+        >>> torch.mm is original_mm
+        False
         >>> amp.deinitialize()
         >>> torch.mm is original_mm
         True
@@ -290,7 +295,10 @@ def check_scaler_states(session: _session.AmpSession, state: Any) -> list[str]:
 
     Example::
 
-        >>> check_scaler_states(session, {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
+        >>> from amp_patch import session
+        >>> model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16)
+        >>> check_scaler_states(session.current(),
+        ...                     {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
         ['loss_scaler0']
     """
     n = len(session.scalers)

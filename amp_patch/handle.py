@@ -78,6 +78,8 @@ def scale_loss(
 
     Example::
 
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> loss = loss_fn(model(x), y)
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
         >>> optimizer.step()
@@ -195,9 +197,11 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
 
     Example::
 
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> loss = loss_fn(model(x), y)
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
-        >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
+        >>> total_norm = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
         >>> optimizer.step()
     """
     session = _session.current()

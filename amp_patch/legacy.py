@@ -24,7 +24,8 @@ class AmpHandle:
 
     Example::
 
-        >>> handle = amp.init()
+        >>> handle = amp.init(half_dtype=torch.float16)
+        >>> a = b = torch.ones(2, 2)
         >>> handle.is_active()
         True
         >>> handle._deactivate()      # torch's functions are the originals again
@@ -80,7 +81,8 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
 
     Example::
 
-        >>> handle = amp.init()
+        >>> handle = amp.init(half_dtype=torch.float16)
+        >>> a = b = torch.ones(2, 2)
         >>> torch.mm(a, b).dtype          # half under the patches
         torch.float16
         >>> handle._deactivate()

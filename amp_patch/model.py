@@ -156,6 +156,8 @@ def named_parameters(models: list[nn.Module]):
 
     Example::
 
+        >>> mlp_a = nn.Sequential(nn.Linear(4, 16), nn.ReLU())
+        >>> mlp_b = nn.Sequential(nn.Linear(4, 16), nn.ReLU())
         >>> dict(named_parameters([mlp_a, mlp_b]))["model1.0.bias"].shape
         torch.Size([16])
     """

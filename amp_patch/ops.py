@@ -347,6 +347,7 @@ def multi_tensor_unscale_(tensors: list[Tensor], found_inf: Tensor, inv_scale: T
 
     Example::
 
+        >>> grads = [torch.full((2,), 65536.0), torch.full((3,), 65536.0, dtype=torch.bfloat16)]
         >>> found_inf = torch.zeros(1)
         >>> multi_tensor_unscale_(grads, found_inf, torch.full((1,), 1 / 65536.0))
     """
@@ -368,6 +369,7 @@ def multi_tensor_unscale_copy_(
 
     Example::
 
+        >>> model.bfloat16()(x.bfloat16()).float().pow(2).mean().backward()
         >>> half_grads = [p.grad for p in model.parameters()]
         >>> master_grads = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
         >>> found_inf = torch.zeros(1)
@@ -456,7 +458,10 @@ def multi_tensor_unscale_l2norm(x: list[Tensor], inv_scale: Tensor,
 
     Example::
 
+        >>> grads = [torch.full((4,), 65536.0), torch.full((12,), 65536.0)]
         >>> total, _ = multi_tensor_unscale_l2norm(grads, torch.full((1,), 1 / 65536.0))
+        >>> total
+        tensor(4.)
         >>> torch.nn.utils.clip_grads_with_norm_(params, 1.0, total)  # doctest: +SKIP
     """
     return _ops.multi_tensor_unscale_l2norm(x, inv_scale, per_tensor)
@@ -891,7 +896,12 @@ def multi_tensor_sgd_(
 
     Example::
 
+        >>> params = [torch.ones(3), torch.ones(2)]
+        >>> grads = [torch.full((3,), 0.5), torch.full((2,), 0.5)]
+        >>> bufs = [torch.zeros(3), torch.zeros(2)]
         >>> ops.multi_tensor_sgd_(grads, params, bufs, [], None, None, lr=0.1, momentum=0.9)
+        >>> params[0]
+        tensor([0.9500, 0.9500, 0.9500])
     """
     _ops.multi_tensor_sgd_(grads, params, momentum_buffers, model_params, noop, inv_scale, lr,
                            weight_decay, momentum, dampening, nesterov, first_run, wd_after_momentum)

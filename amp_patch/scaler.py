@@ -246,8 +246,12 @@ class LossScaler:
 
         Example::
 
+            >>> from amp_patch.properties import Properties
+            >>> scaler = LossScaler.from_properties(Properties.from_opt_level("O2", torch.float16))
+            >>> loss_fn(model(x), y).backward()
             >>> norms = scaler.check([p.grad for p in model.parameters()])
-            >>> overflow = scaler.update()   # the one host sync
+            >>> scaler.update()   # the one host sync: True on overflow
+            False
         """
         by_device: dict[torch.device, list[Tensor]] = {}
         for g in grads:

@@ -109,7 +109,10 @@ def make_progress(levels: Sequence[str], total: int, console: Any, prefix: str,
 
     Example::
 
-        >>> with make_progress(["O0", "O2"], 100, Console(), "compare") as progress:
+        >>> import io
+        >>> from rich.console import Console
+        >>> console = Console(file=io.StringIO())
+        >>> with make_progress(["O0", "O2"], 100, console, "compare") as progress:
         ...     progress.step("O0", 0, 6.3)
     """
     if console.is_terminal:

@@ -50,6 +50,7 @@ class LARC:
 
         >>> optimizer = LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> loss = loss_fn(model(x), y)
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
         >>> optimizer.step()

@@ -32,10 +32,11 @@ class MasterWeights:
 
     Example::
 
+        >>> optimizer = torch.optim.SGD(model.bfloat16().parameters(), lr=0.1)
         >>> masters = MasterWeights()
         >>> masters.attach(optimizer.param_groups[0], optimizer.state)
-        >>> [(p.dtype, m.dtype) for p, m in masters.pairs(amp.master_params(optimizer))]
-        [(torch.bfloat16, torch.float32), ...]
+        >>> [(p.dtype, m.dtype) for p, m in masters.pairs(optimizer.param_groups[0]["params"])][0]
+        (torch.bfloat16, torch.float32)
     """
 
     def __init__(self) -> None:

@@ -410,7 +410,9 @@ def process(optimizer: torch.optim.Optimizer, master_weights: bool,
 
     Example::
 
-        >>> record = process(optimizer, True, session.on_close, amp.disable_casts)
+        >>> undos = []
+        >>> on_close = lambda what, undo, abort=None: undos.append(undo)  # the session's on_close
+        >>> record = process(optimizer, True, on_close, amp.disable_casts)
         >>> all(p.dtype == torch.float32 for p in record.stepped_params())
         True
     """

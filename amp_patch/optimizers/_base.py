@@ -131,6 +131,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         Example::
 
+            >>> from amp_patch.optimizers import FusedSGD
             >>> opt = FusedSGD(model.parameters(), lr=0.1)   # set_grad_none=False, as in Apex
             >>> opt.zero_grad()                  # grads zeroed
             >>> opt.zero_grad(set_to_none=True)  # grads set to None

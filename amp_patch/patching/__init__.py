@@ -61,7 +61,7 @@ def install(half_dtype: torch.dtype, models: list[nn.Module], on_close: Callable
         >>> torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
         torch.bfloat16
         >>> for undo in reversed(undos):  # what the session's close does
-        ...     undo()
+        ...     _ = undo()
         >>> torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
         torch.float32
     """

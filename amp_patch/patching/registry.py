@@ -153,6 +153,8 @@ def register_half_function(module: Any, name: str) -> None:
 
     Example::
 
+        >>> import types
+        >>> my_ext = types.SimpleNamespace(gemm=torch.mm)   # a user's extension module
         >>> amp.register_half_function(my_ext, "gemm")
         >>> model, opt = amp.initialize(model, opt, opt_level="O1")
     """

@@ -67,6 +67,7 @@ class CastState:
 
         Example::
 
+            >>> state = CastState(torch.bfloat16)
             >>> with state.paused():
             ...     assert not state.enabled
         """
@@ -119,8 +120,11 @@ def disable_casts() -> Iterator[None]:
 
     Example::
 
+        >>> model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16)
+        >>> a = b = torch.ones(2, 2)
         >>> with amp.disable_casts():
-        ...     y = torch.mm(a, b)   # no cast: runs in the inputs' dtypes
+        ...     torch.mm(a, b).dtype   # no cast: runs in the inputs' dtypes
+        torch.float32
     """
     state = active()
     if state is None:

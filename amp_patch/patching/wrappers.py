@@ -388,6 +388,8 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
 
     Example::
 
+        >>> from amp_patch.patching.state import CastState
+        >>> state = CastState(torch.bfloat16)
         >>> wrapper = make_wrapper(Policy.FP32, torch.exp, state, "torch.exp")
         >>> wrapper(torch.ones(2, dtype=torch.bfloat16)).dtype
         torch.float32
