@@ -40,10 +40,13 @@ import torch.nn.functional as F
 
 from amp_patch.dtypes import HALF_DTYPE_NAMES, HALF_DTYPE_SPELLINGS, HALF_DTYPES, half_dtype_name
 from amp_patch.patching.patcher import Patcher
+
 # The settings own the modes; the names here stay public.
-from amp_patch.properties import CPU_HALF_MODES as MODES
-from amp_patch.properties import Properties
-from amp_patch.properties import check_cpu_half_mode as check_mode
+from amp_patch.properties import (
+    CPU_HALF_MODES as MODES,
+    Properties,
+    check_cpu_half_mode as check_mode,
+)
 
 __all__ = [
     "MODES",
@@ -250,7 +253,8 @@ def cpu_half_support() -> CpuHalfSupport:
 
 
 @contextlib.contextmanager
-def override(*, bfloat16: bool | None = None, float16: bool | None = None) -> Iterator[CpuHalfSupport]:
+def override(*, bfloat16: bool | None = None,
+             float16: bool | None = None) -> Iterator[CpuHalfSupport]:
     """Force :func:`cpu_half_support`'s answer inside the block (nestable).
 
     A dtype given as True is treated as native for matmul and convolution,
@@ -287,7 +291,7 @@ def _forced(native: bool) -> DtypeSupport:
     return DtypeSupport(onednn=None, matmul=bool(native), conv=bool(native))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _from_env(value: str) -> CpuHalfSupport:
     names = {n.strip().lower() for n in value.split(",") if n.strip()}
     native = set()
@@ -304,7 +308,7 @@ def _from_env(value: str) -> CpuHalfSupport:
                           _forced(torch.float16 in native), source="env")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _host() -> tuple[str, str, tuple[str, ...] | None]:
     cpu, flags = None, None
     try:
@@ -416,7 +420,8 @@ class CpuHalfPlan:
 
     @property
     def mode(self) -> str:
-        """``"native"``, ``"emulate"``, or ``"emulate-matmul"`` / ``"emulate-conv"`` for one class."""
+        """``"native"``, ``"emulate"``, or, for one class, ``"emulate-matmul"`` /
+        ``"emulate-conv"``."""
         if self.emulate_matmul and self.emulate_conv:
             return "emulate"
         if self.emulates:
@@ -620,8 +625,9 @@ def _scan(items, dtype: torch.dtype) -> int:
 
 
 def _widen(items, dtype: torch.dtype) -> list:
-    """``items`` with every ``dtype`` tensor replaced by an fp32 copy (lists and tuples inside too)."""
-    out = []
+    """``items`` with every ``dtype`` tensor replaced by an fp32 copy (lists and tuples
+    inside too)."""
+    out: list[Any] = []
     for a in items:
         if isinstance(a, _Tensor):
             out.append(_widen_one(a) if a.dtype is dtype else a)
@@ -666,7 +672,7 @@ def _emulator(original: Callable, dtype: torch.dtype, name: str) -> Callable:
         return result
 
     functools.update_wrapper(emulated, original)  # every target is a named torch callable
-    emulated._amp_patch_cpu_half = dtype
+    emulated._amp_patch_cpu_half = dtype  # type: ignore[attr-defined]  # marks our wrappers
     return emulated
 
 

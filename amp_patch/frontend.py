@@ -123,7 +123,8 @@ def initialize(
     """
     model_list, models_listed = _as_list(models, (nn.Module,), "models")
     if optimizers is None:
-        opt_list, opts_listed = [], False
+        opt_list: list[Any] = []
+        opts_listed = False
     else:
         opt_list, opts_listed = _as_list(optimizers, OPTIMIZER_TYPES, "optimizers")
     _check_models(model_list)
@@ -167,7 +168,8 @@ def initialize(
         session.commit()
         _logging.logger.info("%s", props.describe())
     else:
-        _logging.logger.info("amp_patch is disabled (enabled=False): models and optimizers unchanged")
+        _logging.logger.info(
+            "amp_patch is disabled (enabled=False): models and optimizers unchanged")
 
     out_models = model_list if models_listed else model_list[0]
     if optimizers is None:
@@ -398,7 +400,8 @@ def _check_no_float64_params(models: Sequence[nn.Module], props: Properties) -> 
     forward with a dtype mismatch, so say it here, by name."""
     if props.cast_model_type not in HALF_DTYPES:
         return
-    doubles = [name for name, p in _model.named_parameters(list(models)) if p.dtype == torch.float64]
+    doubles = [name for name, p in _model.named_parameters(list(models))
+               if p.dtype == torch.float64]
     if doubles:
         raise ValueError(
             f"{props.opt_level} casts the model to {props.cast_model_type}, but amp leaves float64 "

@@ -133,9 +133,9 @@ def get(name: Any) -> OptLevel:
 
         >>> get("O1").patch_torch_functions
         True
-        >>> get("01")
+        >>> get("01")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        ValueError: Unexpected optimization level '01'. Options are 'O0', 'O1', 'O2', 'O3'. Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the number zero.
+        ValueError: Unexpected optimization level '01'. Options are 'O0', 'O1', 'O2', 'O3'. ...
     """
     level = OPT_LEVELS.get(name) if isinstance(name, str) else None
     if level is None:

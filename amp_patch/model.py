@@ -238,7 +238,8 @@ def cast_own_tensors(module: nn.Module, dtype: torch.dtype, *,
         >>> seq[0].weight.dtype
         torch.float32
     """
-    tensors = [p for p in module.parameters(recurse=False) if id(p) not in leave]
+    tensors: list[torch.Tensor] = [p for p in module.parameters(recurse=False)
+                                   if id(p) not in leave]
     tensors += [b for b in module.buffers(recurse=False) if b is not None]
     for t in tensors:
         if t.dtype != dtype and (t.dtype in castable if castable is not None
@@ -363,7 +364,7 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, Mapping):
         if type(value) is dict:
             return {k: cast_floating(v, dtype) for k, v in value.items()}
-        out = copy.copy(value)  # keeps OrderedDict, defaultdict's factory, and the like
+        out: Any = copy.copy(value)  # keeps OrderedDict, defaultdict's factory, and the like
         for k, v in value.items():
             out[k] = cast_floating(v, dtype)
         return out

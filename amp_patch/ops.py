@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -132,7 +132,8 @@ def _check_no_overlap(op: str, out_name: str, out: Sequence[Tensor], in_name: st
             extents.append((str(t.device), *_byte_range(t), False, f"{in_name}[{i}]"))
     extents.sort(key=lambda e: (e[0], e[1]))
     # The extent reaching furthest so far, among all and among the written ones.
-    far_any = far_written = None
+    far_any: tuple | None = None
+    far_written: tuple | None = None
     for e in extents:
         device, first, end, written, name = e
         reach = far_any if written else far_written
@@ -269,7 +270,7 @@ def _no_output_fake(*args, **kwargs) -> None:
 
 
 # name: (reference body, fake kernel)
-_REFERENCE = {
+_REFERENCE: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "multi_tensor_unscale_": (_unscale_ref, _no_output_fake),
     "multi_tensor_unscale_copy_": (_unscale_copy_ref, _no_output_fake),
     "multi_tensor_axpby_": (_axpby_ref, _no_output_fake),
@@ -624,7 +625,7 @@ def _adam_direction(m: Tensor, v: Tensor, p: Tensor | None, bc1: float, bc2: flo
     """Adam's update direction from the moments, with AdamW's decay term (LAMB's too)."""
     u = _div(m, bc1) / (_sqrt_rn(_div(v, bc2)) + eps)
     if adam_w_mode and wd != 0.0:
-        u = u + wd * p
+        u = u + wd * p  # type: ignore[operator]  # LAMB and AdamW always pass p
     return u
 
 
@@ -633,7 +634,7 @@ def _adam_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, 
                   adam_w_mode: bool) -> tuple[Tensor, Tensor, Tensor]:
     """New moments from an unscaled grad, and the direction (LAMB: c1 is beta3)."""
     if not adam_w_mode and wd != 0.0:
-        g = g + wd * p
+        g = g + wd * p  # type: ignore[operator]  # p is given whenever decay applies
     m = b1 * m.float() + c1 * g
     v = b2 * v.float() + c2 * g * g
     return m, v, _adam_direction(m, v, p, bc1, bc2, eps, wd, adam_w_mode)
@@ -766,7 +767,7 @@ def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, glob
         m, v, u = _adam_moments(_grad32(grad, inv_scale) / clip, p, exp_avgs[i], exp_avg_sqs[i],
                                 b1, b2, b3, c2, bc1, bc2, eps, wd, adam_w_mode)
         if norms_wanted:
-            sums[0, i] = p.double().square().sum()
+            sums[0, i] = p.double().square().sum()  # type: ignore[union-attr]  # norms_wanted
         sums[1, i] = u.double().square().sum()
         _commit(keep, (exp_avgs[i], m), (exp_avg_sqs[i], v))
     norms = sums.sqrt().float()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -24,7 +24,7 @@ OPT_LEVELS = _levels.NAMES
 CPU_HALF_MODES = ("auto", "native", "emulate")
 
 # cast_model_type: a dtype, None (leave the model alone) or False (no model or input casting).
-CastType = Union[torch.dtype, None, bool]
+CastType = torch.dtype | bool | None
 
 
 def check_cpu_half_mode(value: Any) -> str:
@@ -122,10 +122,13 @@ class Properties:
                 "cast_model_type must be a torch.dtype, None or False, "
                 f"got {self.cast_model_type!r}"
             )
-        if isinstance(self.cast_model_type, torch.dtype) and not self.cast_model_type.is_floating_point:
-            raise ValueError(f"cast_model_type must be a floating dtype, got {self.cast_model_type}")
+        if (isinstance(self.cast_model_type, torch.dtype)
+                and not self.cast_model_type.is_floating_point):
+            raise ValueError(
+                f"cast_model_type must be a floating dtype, got {self.cast_model_type}")
         if self.cast_model_outputs is not None and not (
-            isinstance(self.cast_model_outputs, torch.dtype) and self.cast_model_outputs.is_floating_point
+            isinstance(self.cast_model_outputs, torch.dtype)
+            and self.cast_model_outputs.is_floating_point
         ):
             raise ValueError(
                 f"cast_model_outputs must be a floating torch.dtype or None, "
@@ -154,7 +157,8 @@ class Properties:
                 "the other levels cast the model instead of patching torch."
             )
         if self.master_weights is not None and not isinstance(self.master_weights, bool):
-            raise ValueError(f"master_weights must be True, False or None, got {self.master_weights!r}")
+            raise ValueError(
+                f"master_weights must be True, False or None, got {self.master_weights!r}")
         if not isinstance(self.num_losses, int) or self.num_losses < 1:
             raise ValueError(f"num_losses must be a positive int, got {self.num_losses!r}")
         if not (isinstance(self.max_consecutive_skips, int) and not isinstance(
@@ -163,7 +167,8 @@ class Properties:
                 f"max_consecutive_skips must be a positive int, got {self.max_consecutive_skips!r}"
             )
         if not (isinstance(self.max_loss_scale, (int, float)) and self.max_loss_scale > 0):
-            raise ValueError(f"max_loss_scale must be a positive number, got {self.max_loss_scale!r}")
+            raise ValueError(
+                f"max_loss_scale must be a positive number, got {self.max_loss_scale!r}")
         set_(self, "max_loss_scale", float(self.max_loss_scale))
         if self.min_loss_scale is not None:
             if not (isinstance(self.min_loss_scale, (int, float)) and self.min_loss_scale > 0):
@@ -232,7 +237,8 @@ def _parse_optional_bool(value: Any) -> bool | None:
         return value
     if value in ("True", "False"):
         return value == "True"
-    raise ValueError(f"keep_batchnorm_fp32 must be True, False, 'True', 'False' or None, got {value!r}")
+    raise ValueError(
+        f"keep_batchnorm_fp32 must be True, False, 'True', 'False' or None, got {value!r}")
 
 
 def _parse_loss_scale(value: Any) -> float | str:

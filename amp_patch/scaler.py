@@ -1,4 +1,5 @@
-"""The loss scaler: scale and overflow flag as device tensors, the update rule, its checkpoint state.
+"""The loss scaler: scale and overflow flag as device tensors, the update rule, its checkpoint
+state.
 
 One :class:`LossScaler` exists per ``loss_id``. Its scale lives twice: as a
 host float (the *mirror*, used to scale the loss and as the float argument of
@@ -132,7 +133,8 @@ class LossScaler:
         self.max_loss_scale = float(max_loss_scale)
         self.min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
         self.scale_window = scale_window
-        self._scale = min(INITIAL_DYNAMIC_SCALE, self.max_loss_scale) if self.dynamic else float(loss_scale)
+        self._scale = (min(INITIAL_DYNAMIC_SCALE, self.max_loss_scale) if self.dynamic
+                       else float(loss_scale))
         self.max_consecutive_skips = max_consecutive_skips
         self._unskipped = 0
         self._skipped = 0
@@ -338,8 +340,9 @@ class LossScaler:
                 raise self._collapse(nonfinite_names, f"even at loss scale {self._scale}; it would "
                                                       f"fall below the floor {floor}")
             self._set_scale(max(halved, floor))
-            logger.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s",
-                        self.loss_id, self._scale)
+            # Apex's words, two spaces included: scripts and log scrapers look for them.
+            logger.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale "
+                        "to %s", self.loss_id, self._scale)
             return True
         if self._consecutive > self.max_consecutive_skips:
             raise self._collapse(
@@ -404,12 +407,14 @@ class LossScaler:
             counts = tuple(_count(state.get(k, 0)) for k in ("unskipped", "skipped",
                                                              "consecutive_skips"))
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: 'loss_scale' must be a number and 'unskipped', 'skipped' "
-                             f"and 'consecutive_skips' non-negative ints; got {dict(state)!r}") from None
+            raise ValueError(
+                f"{where}: 'loss_scale' must be a number and 'unskipped', 'skipped' and "
+                f"'consecutive_skips' non-negative ints; got {dict(state)!r}") from None
         if not (0.0 < scale < float("inf")):
             raise ValueError(f"{where}: invalid saved loss_scale {scale!r}; it must be a positive "
                              "finite number")
-        return (scale, *counts)
+        unskipped, skipped, consecutive = counts
+        return scale, unskipped, skipped, consecutive
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the state saved by :meth:`state_dict`; pending overflow flags are cleared.
@@ -428,7 +433,8 @@ class LossScaler:
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
-        return f"LossScaler(id={self.loss_id}, {kind}, scale={self._scale}, unskipped={self._unskipped})"
+        return (f"LossScaler(id={self.loss_id}, {kind}, scale={self._scale}, "
+                f"unskipped={self._unskipped})")
 
 
 def _count(value: Any) -> int:

@@ -189,7 +189,9 @@ def _path_within(graph: dict[str, set[str]], component: list[str]) -> list[str]:
                 path = [node]
                 while path[-1] != start:
                     path.append(parents[path[-1]])
-                return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, node, start]
+                if len(path) == 1:
+                    return [start, node, start]
+                return [start, *reversed(path[:-1]), start]
             if succ not in parents:
                 parents[succ] = node
                 queue.append(succ)

@@ -24,6 +24,9 @@ import torch
 from amp_patch import cpu_half
 from amp_patch.dtypes import HALF_DTYPE_NAMES
 
+# The class below has a field named torch; annotations inside it reach the module this way.
+_Device = torch.device
+
 __all__ = [
     "LOAD_AVERAGE_LIMIT",
     "OTHERS_SHARE_LIMIT",
@@ -101,7 +104,7 @@ class HostFacts:
     platform: str
 
     @classmethod
-    def collect(cls, device: str | torch.device = "cpu", threads: int | None = None) -> "HostFacts":
+    def collect(cls, device: str | _Device = "cpu", threads: int | None = None) -> "HostFacts":
         """The facts of this host.
 
         Args:

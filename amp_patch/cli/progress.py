@@ -48,8 +48,13 @@ class LevelProgress:
 class _RichProgress(LevelProgress):
     def __init__(self, levels: Sequence[str], total: int, console: Any) -> None:
         super().__init__(levels, total)
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"))

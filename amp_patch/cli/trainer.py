@@ -77,7 +77,7 @@ class LevelTrainer:
         self.half_dtype = half_dtype
         self.loss_fn = loss_fn
         self._sample = sample or (lambda: None)
-        self._grad_scaler = None
+        self._grad_scaler: torch.amp.GradScaler | None = None
         if strategy == "fsdp2":
             ranks.shard(model, optimizer)  # amp supports this order: shard, then initialize
         if level in AMP_LEVELS:
@@ -168,7 +168,7 @@ class CpuPeak:
 
     def __init__(self) -> None:
         self.baseline = _anon_rss_bytes()
-        self.peak = self.baseline
+        self.peak: int = self.baseline or 0
 
     def sample(self) -> None:
         """Record the current anonymous resident memory if it is a new peak."""

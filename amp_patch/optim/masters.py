@@ -246,7 +246,8 @@ def clear_grads(params: Iterable[Tensor], set_to_none: bool) -> None:
 
 
 def match_state_to_params(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:
-    """Cast the optimizer state of ``params`` to their dtypes, as ``Optimizer.load_state_dict`` would.
+    """Cast the optimizer state of ``params`` to their dtypes, as
+    ``Optimizer.load_state_dict`` would.
 
     A model cast by initialize (or one that a previous session left half)
     would otherwise meet state made for its old dtype, which torch's

@@ -137,7 +137,8 @@ class OptimizerRecord:
         return self.masters.pairs(self.stepped_params())
 
     def sync_masters_from_model(self) -> None:
-        """Refresh masters whose half param was written from outside (see :meth:`MasterWeights.sync_from_model`)."""
+        """Refresh masters whose half param was written from outside
+        (see :meth:`MasterWeights.sync_from_model`)."""
         self.masters.sync_from_model(self.stepped_params())
 
     def _pairs(self) -> list[tuple[Tensor, Tensor]]:
@@ -345,7 +346,8 @@ class OptimizerRecord:
         self._methods.install()
 
     def restore(self) -> None:
-        """Undo :meth:`install`: original methods back, hooks removed, model params back in ``param_groups``.
+        """Undo :meth:`install`: original methods back, hooks removed, model params back in
+        ``param_groups``.
 
         The optimizer state of each master moves to its model parameter, cast
         to that parameter's dtype except ``step`` counters. Values are not

@@ -126,8 +126,8 @@ class PatchedMethods:
         if name not in self._saved:  # never patched (install failed before it)
             return
         now = opt.__dict__.get(name, _MISSING)
-        if not (isinstance(now, types.MethodType) and isinstance(now.__func__, wrapt.FunctionWrapper)
-                and now.__self__ is opt):
+        if not (isinstance(now, types.MethodType)
+                and isinstance(now.__func__, wrapt.FunctionWrapper) and now.__self__ is opt):
             # Something (a scheduler made after initialize) wrapped ours; it
             # stays, and our wrapper passes calls straight through (inactive record).
             return

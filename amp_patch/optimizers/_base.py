@@ -73,7 +73,8 @@ class FusedStepInputs:
 
 @dataclasses.dataclass
 class _Batch:
-    """One op call's lists: the params as keyed in ``state``, the tensors stepped, grads, outputs."""
+    """One op call's lists: the params as keyed in ``state``, the tensors stepped, grads,
+    outputs."""
 
     device: torch.device
     keys: list[Tensor] = dataclasses.field(default_factory=list)

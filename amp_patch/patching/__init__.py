@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from amp_patch.patching import rnn
+from amp_patch.patching.derive import Spelling, spellings
 from amp_patch.patching.dynamo import RULES as _DYNAMO_RULES
 from amp_patch.patching.patcher import Patcher
 from amp_patch.patching.registry import REGISTRY
-from amp_patch.patching.derive import Spelling, spellings
 from amp_patch.patching.state import CastState, active, disable_casts, set_active
 from amp_patch.patching.wrappers import Policy, make_wrapper
 
@@ -91,7 +91,11 @@ def install(half_dtype: torch.dtype, models: list[nn.Module], on_close: Callable
             state.cache.drop_no_grad_entries()
 
     hooks = [model.register_forward_pre_hook(fresh_eval_casts) for model in models]
-    on_close("O1 cache hooks", lambda: [h.remove() for h in hooks])
+    def remove_hooks() -> None:
+        for hook in hooks:
+            hook.remove()
+
+    on_close("O1 cache hooks", remove_hooks)
 
     def wrap(policy: Policy, qualname: str, message: str | None):
         return lambda original: make_wrapper(policy, original, state, qualname, message)
@@ -107,8 +111,10 @@ def install(half_dtype: torch.dtype, models: list[nn.Module], on_close: Callable
     rnn.allow_half_inputs(patcher, state)
     for entry in REGISTRY.consume():
         owner = getattr(entry.target, "__name__", type(entry.target).__name__)
-        if not patcher.patch(entry.target, entry.name, wrap(entry.policy, f"{owner}.{entry.name}", None)):
-            logger.warning("amp_patch: registered %s.%s no longer exists; not patched", owner, entry.name)
+        wrapper = wrap(entry.policy, f"{owner}.{entry.name}", None)
+        if not patcher.patch(entry.target, entry.name, wrapper):
+            logger.warning("amp_patch: registered %s.%s no longer exists; not patched",
+                           owner, entry.name)
     # torch.compile must keep knowing the functions O1 wraps (see patching/dynamo.py).
     dynamo_rules = _DYNAMO_RULES.snapshot(patcher)
     _DYNAMO_RULES.watch_import(lambda: getattr(active(), "patches", None))

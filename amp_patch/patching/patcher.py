@@ -99,6 +99,7 @@ class Patcher:
             True
             >>> with patcher.showing_originals():
             ...     assert torch.mm is torch._C._VariableFunctions.mm
+            >>> patcher.undo_all()
         """
         installed = [vars(r.parent)[r.name] for r in self.records]
         for record in reversed(self.records):

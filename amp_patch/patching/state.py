@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from amp_patch.dtypes import check_half_dtype
 from amp_patch.patching.cache import WeightCastCache
+
+if TYPE_CHECKING:
+    from amp_patch.patching.patcher import Patcher
 
 __all__ = ["CastState", "disable_casts", "active", "set_active"]
 
@@ -55,7 +58,7 @@ class CastState:
         self._paused = 0
         self._pause_lock = threading.Lock()
         self.cache = WeightCastCache(enabled=enable_caching)
-        self.patches = None
+        self.patches: Patcher | None = None
 
     def __repr__(self) -> str:
         return (f"CastState(half_dtype={self.half_dtype}, enabled={self.enabled}, "
