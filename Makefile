@@ -2,8 +2,10 @@
 #
 #   make demo            compare O0-O3 and torch.autocast on the built-in model (60 steps;
 #                        make demo DEMO_ARGS=--full for the 100 steps of docs/compare.md)
-#   make test            the full pytest suite (slow cases included)
-#   make test-fast       the suite without the cases marked slow
+#   make test            lint (ruff), type check (mypy), then the full pytest suite (slow cases
+#                        included; the import-graph check and the docstring examples with it)
+#   make test-fast       the same without the cases marked slow
+#   make lint            ruff and mypy alone
 #   make bench           kernel and end-to-end benchmarks -> docs/benchmarks.md
 #   make check-cuda      compile the CUDA kernels against a CUDA build of torch (no GPU needed)
 #
@@ -32,7 +34,7 @@ endif
 EXT_SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 EXT_STAMP := build/.ext-stamp-$(subst /,_,$(PYTHON))
 
-.PHONY: demo test test-fast bench check-cuda install clean
+.PHONY: demo test test-fast lint bench check-cuda install clean
 
 $(VENV)/.deps-stamp: requirements-dev.txt requirements-nodeps.txt
 	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
@@ -51,10 +53,20 @@ install: $(EXT_STAMP)
 demo: install
 	$(PYTHON) -m amp_patch compare --out out $(DEMO_ARGS)
 
-test: install
+# ruff and mypy come with requirements-dev.txt; an interpreter passed as PY= may lack them.
+lint: $(ENV_STAMP)
+	@if $(PYTHON) -c "import ruff, mypy" 2>/dev/null; then \
+		$(PYTHON) -m ruff check amp_patch tools tests conftest.py && $(PYTHON) -m mypy; \
+	elif [ -n "$(strip $(PY))" ]; then \
+		echo "lint: skipped, ruff and mypy are not installed in $(PYTHON) (pip install ruff mypy)"; \
+	else \
+		echo "lint: ruff and mypy are missing from $(VENV); rm $(VENV)/.deps-stamp and rerun"; exit 1; \
+	fi
+
+test: install lint
 	AMP_PATCH_REQUIRE_EXT=1 $(PYTHON) -m pytest -q
 
-test-fast: install
+test-fast: install lint
 	AMP_PATCH_REQUIRE_EXT=1 $(PYTHON) -m pytest -q -m "not slow"
 
 bench: install

@@ -13,8 +13,8 @@ Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
 """
 
 from amp_patch import cpu_half, ops
-from amp_patch.cpu_half import cpu_half_support
 from amp_patch.apex_compat.multi_tensor_apply import multi_tensor_applier
+from amp_patch.cpu_half import cpu_half_support
 from amp_patch.distributed.checkpoint import load_checkpoint, save_checkpoint
 from amp_patch.distributed.clip import clip_grad_norm_
 from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict

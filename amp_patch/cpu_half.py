@@ -38,10 +38,16 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from amp_patch import session as _session
 from amp_patch.distributed import agree
-from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.dtypes import HALF_DTYPE_NAMES, HALF_DTYPE_SPELLINGS, HALF_DTYPES, half_dtype_name
 from amp_patch.patching.patcher import Patcher
+
+# The settings own the modes; the names here stay public.
+from amp_patch.properties import (
+    CPU_HALF_MODES as MODES,
+    Properties,
+    check_cpu_half_mode as check_mode,
+)
 
 __all__ = [
     "MODES",
@@ -62,9 +68,6 @@ __all__ = [
 
 logger = logging.getLogger("amp_patch")
 
-#: The values of the ``cpu_half_compute`` property.
-MODES = ("auto", "native", "emulate")
-
 #: Environment variable that replaces detection: a comma-separated list of the
 #: half dtypes to treat as native (``bf16``, ``fp16``, ``bfloat16``, ``float16``),
 #: or ``none``. Empty or unset means: detect.
@@ -77,10 +80,6 @@ ENV_VAR = "AMP_PATCH_CPU_HALF_NATIVE"
 #: numerics of a run, does not change from one process to the next.
 PROBE_RATIO_LIMIT = 2.5
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
-#: The half dtypes' short names, in the order reports list them.
-_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _ONEDNN_CHECKS = {torch.bfloat16: "_is_mkldnn_bf16_supported",
                   torch.float16: "_is_mkldnn_fp16_supported"}
 #: The host flags that decide half speed, as /proc/cpuinfo spells them (x86, then Arm).
@@ -179,7 +178,7 @@ class CpuHalfSupport:
     def describe(self) -> str:
         """One line: the host kind, then for bf16 and fp16 whether they are native and why."""
         return f"{self.host()}: " + "; ".join(
-            f"{_SHORT[d]} {_describe_dtype(self.of(d))}" for d in _SHORT
+            f"{name} {_describe_dtype(self.of(d))}" for name, d in HALF_DTYPE_NAMES.items()
         ) + ("" if self.source == "detected" else f" [{self.source}]")
 
     def as_dict(self) -> dict[str, Any]:
@@ -187,8 +186,8 @@ class CpuHalfSupport:
         out: dict[str, Any] = {"cpu": self.cpu, "capability": self.capability,
                                "flags": None if self.flags is None else list(self.flags),
                                "host": self.host(), "source": self.source}
-        for dtype in _SHORT:
-            out[_SHORT[dtype]] = dict(dataclasses.asdict(self.of(dtype)), native=self.native(dtype))
+        for name, dtype in HALF_DTYPE_NAMES.items():
+            out[name] = dict(dataclasses.asdict(self.of(dtype)), native=self.native(dtype))
         return out
 
 
@@ -255,7 +254,8 @@ def cpu_half_support() -> CpuHalfSupport:
 
 
 @contextlib.contextmanager
-def override(*, bfloat16: bool | None = None, float16: bool | None = None) -> Iterator[CpuHalfSupport]:
+def override(*, bfloat16: bool | None = None,
+             float16: bool | None = None) -> Iterator[CpuHalfSupport]:
     """Force :func:`cpu_half_support`'s answer inside the block (nestable).
 
     A dtype given as True is treated as native for matmul and convolution,
@@ -292,24 +292,24 @@ def _forced(native: bool) -> DtypeSupport:
     return DtypeSupport(onednn=None, matmul=bool(native), conv=bool(native))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _from_env(value: str) -> CpuHalfSupport:
     names = {n.strip().lower() for n in value.split(",") if n.strip()}
     native = set()
     if names != {"none"}:
-        unknown = sorted(names - set(_DTYPE_NAMES))
+        unknown = sorted(names - set(HALF_DTYPE_SPELLINGS))
         if unknown:
             raise ValueError(
                 f"{ENV_VAR} must list half dtypes (bf16, fp16, bfloat16, float16) or be 'none', "
                 f"got {value!r}"
             )
-        native = {_DTYPE_NAMES[n] for n in names}
+        native = {HALF_DTYPE_SPELLINGS[n] for n in names}
     cpu, capability, flags = _host()
     return CpuHalfSupport(cpu, capability, flags, _forced(torch.bfloat16 in native),
                           _forced(torch.float16 in native), source="env")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _host() -> tuple[str, str, tuple[str, ...] | None]:
     cpu, flags = None, None
     try:
@@ -421,7 +421,8 @@ class CpuHalfPlan:
 
     @property
     def mode(self) -> str:
-        """``"native"``, ``"emulate"``, or ``"emulate-matmul"`` / ``"emulate-conv"`` for one class."""
+        """``"native"``, ``"emulate"``, or, for one class, ``"emulate-matmul"`` /
+        ``"emulate-conv"``."""
         if self.emulate_matmul and self.emulate_conv:
             return "emulate"
         if self.emulates:
@@ -430,7 +431,7 @@ class CpuHalfPlan:
 
     def describe(self) -> str:
         """One sentence: what runs how, and why."""
-        h = _SHORT[self.half_dtype]
+        h = half_dtype_name(self.half_dtype)
         host = ("has native " + h if self.host_matmul and self.host_conv
                 else f"has no native {h} " + ("convolution" if self.host_matmul else "matmul"))
         why = f"cpu_half_compute={self.requested!r}; this host {host}"
@@ -445,22 +446,8 @@ class CpuHalfPlan:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-able dict: the fields (the dtype as ``"bf16"``/``"fp16"``) and ``mode``."""
         out = dataclasses.asdict(self)
-        out.update(half_dtype=_SHORT[self.half_dtype], mode=self.mode)
+        out.update(half_dtype=half_dtype_name(self.half_dtype), mode=self.mode)
         return out
-
-
-def check_mode(value: Any) -> str:
-    """``value`` when it is one of :data:`MODES`.
-
-    Raises:
-        ValueError: otherwise, naming the choices.
-    """
-    if not (isinstance(value, str) and value in MODES):
-        raise ValueError(
-            "cpu_half_compute must be 'auto' (emulate half matmuls where the CPU has no native "
-            f"half), 'native' or 'emulate', got {value!r}"
-        )
-    return value
 
 
 def plan(cpu_half_compute: str = "auto", half_dtype: torch.dtype = torch.bfloat16,
@@ -499,10 +486,9 @@ def plan(cpu_half_compute: str = "auto", half_dtype: torch.dtype = torch.bfloat1
                        host_matmul=s.matmul, host_conv=s.conv)
 
 
-def _session_plan(session) -> CpuHalfPlan | None:
+def _session_plan(props: Properties, models: list[torch.nn.Module]) -> CpuHalfPlan | None:
     """The plan of a session that computes in half on the CPU; None for one that does not."""
-    props = session.props
-    if not props.enabled or not _on_cpu(session.models):
+    if not props.enabled or not _on_cpu(models):
         return None
     if props.cast_model_type in HALF_DTYPES:
         dtype = props.cast_model_type
@@ -518,18 +504,22 @@ def _on_cpu(models) -> bool:
                for t in (*m.parameters(), *m.buffers()) if t.is_floating_point())
 
 
+#: The live session's plan: set by :func:`install`, cleared when that session closes.
+_live_plan: CpuHalfPlan | None = None
+
+
 def current_plan() -> CpuHalfPlan | None:
     """The live session's plan (decided at its :func:`amp_patch.initialize`), or None when no
     session computes in half on the CPU.
 
     Example::
 
-        >>> amp.initialize(model, opt, opt_level="O2")
+        >>> with amp_patch.cpu_half.override(bfloat16=True):  # as on a host with native bf16
+        ...     model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16)
         >>> amp_patch.cpu_half.current_plan().mode
         'native'
     """
-    live = _session.current()
-    return None if live is None else live.cpu_half
+    return _live_plan
 
 
 def banner(half_dtype: torch.dtype = torch.bfloat16, cpu_half_compute: str = "auto", *,
@@ -552,11 +542,12 @@ def banner(half_dtype: torch.dtype = torch.bfloat16, cpu_half_compute: str = "au
 
     Example::
 
-        >>> print(amp_patch.cpu_half.banner(torch.bfloat16))
+        >>> len(amp_patch.cpu_half.banner(torch.bfloat16).splitlines())
+        3
     """
     support = support or cpu_half_support()
     p = plan(cpu_half_compute, half_dtype, support)
-    h = _SHORT[half_dtype]
+    h = half_dtype_name(half_dtype)
     if p.emulates:
         here = (f"here {h} matmuls ran at about fp32 speed (emulated), so O1-O3 run near O0's "
                 "speed and their differences come from casts, elementwise ops and memory traffic")
@@ -635,8 +626,9 @@ def _scan(items, dtype: torch.dtype) -> int:
 
 
 def _widen(items, dtype: torch.dtype) -> list:
-    """``items`` with every ``dtype`` tensor replaced by an fp32 copy (lists and tuples inside too)."""
-    out = []
+    """``items`` with every ``dtype`` tensor replaced by an fp32 copy (lists and tuples
+    inside too)."""
+    out: list[Any] = []
     for a in items:
         if isinstance(a, _Tensor):
             out.append(_widen_one(a) if a.dtype is dtype else a)
@@ -681,7 +673,7 @@ def _emulator(original: Callable, dtype: torch.dtype, name: str) -> Callable:
         return result
 
     functools.update_wrapper(emulated, original)  # every target is a named torch callable
-    emulated._amp_patch_cpu_half = dtype
+    emulated._amp_patch_cpu_half = dtype  # type: ignore[attr-defined]  # marks our wrappers
     return emulated
 
 
@@ -712,18 +704,21 @@ def _agreed(p: CpuHalfPlan | None) -> CpuHalfPlan | None:
     return dataclasses.replace(p, emulate_matmul=matmul, emulate_conv=conv)
 
 
-def install(session) -> CpuHalfPlan | None:
+def install(props: Properties, models: list[torch.nn.Module],
+            on_close: Callable[..., None]) -> CpuHalfPlan | None:
     """Install the emulating wrappers when the session computes in half on a CPU that needs them.
 
     It is what :func:`amp_patch.initialize` calls, before the O1 patches.
     For models on the CPU it logs the host's answer (once per answer and
     process). When the session computes in half there (O1, or a model cast
-    to half at O2/O3) it sets ``session.cpu_half`` to the plan; when the plan
-    emulates, it patches the op classes that the plan names and registers
-    their undo with the session ("CPU half emulation").
+    to half at O2/O3) the plan becomes :func:`current_plan` until the session
+    closes; when the plan emulates, it patches the op classes that the plan
+    names and registers their undo with ``on_close`` ("CPU half emulation").
 
     Args:
-        session (AmpSession): the session being built.
+        props (Properties): the session's settings.
+        models (list of torch.nn.Module): the models passed to initialize.
+        on_close (callable): ``on_close(what, undo)`` registers an undo with the session.
 
     Returns:
         CpuHalfPlan or None: the plan; None when the session computes no half
@@ -731,19 +726,34 @@ def install(session) -> CpuHalfPlan | None:
 
     Example::
 
-        >>> install(session).mode
+        >>> from amp_patch.properties import Properties
+        >>> props = Properties.from_opt_level("O2", torch.bfloat16)
+        >>> undos = []
+        >>> with override(bfloat16=False):  # as on a host without native bf16
+        ...     install(props, [model], lambda what, undo: undos.append(undo)).mode
         'emulate'
+        >>> for undo in reversed(undos):  # what the session's close does
+        ...     undo()
     """
-    if not (session.props.enabled and _on_cpu(session.models)):
+    global _live_plan
+    if not (props.enabled and _on_cpu(models)):
         return None
     _log_once(cpu_half_support())
-    p = session.cpu_half = _agreed(_session_plan(session))
+    p = _agreed(_session_plan(props, models))
+    if p is not None:
+        def forget() -> None:
+            global _live_plan
+            if _live_plan is p:
+                _live_plan = None
+
+        _live_plan = p
+        on_close("the live CPU half plan", forget)
     if p is None or not p.emulates:
         if p is not None:
             logger.debug("%s", p.describe())
         return p
     patcher = Patcher()
-    session.on_close("CPU half emulation", patcher.undo_all)
+    on_close("CPU half emulation", patcher.undo_all)
     for namespace, _, name in targets(p.emulate_matmul, p.emulate_conv):
         patcher.patch(namespace, name, functools.partial(_emulator, dtype=p.half_dtype, name=name))
     logger.info("%s", p.describe())

@@ -12,6 +12,7 @@ from torch import nn
 from amp_patch import (
     _logging,
     cpu_half as _cpu_half,
+    levels as _levels,
     model as _model,
     ops as _ops,
     optim as _optim,
@@ -119,13 +120,15 @@ def initialize(
     Example::
 
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> loss = loss_fn(model(x), y)
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
         >>> optimizer.step()
     """
     model_list, models_listed = _as_list(models, (nn.Module,), "models")
     if optimizers is None:
-        opt_list, opts_listed = [], False
+        opt_list: list[Any] = []
+        opts_listed = False
     else:
         opt_list, opts_listed = _as_list(optimizers, OPTIMIZER_TYPES, "optimizers")
     _check_models(model_list)
@@ -169,7 +172,8 @@ def initialize(
         session.commit()
         _logging.logger.info("%s", props.describe())
     else:
-        _logging.logger.info("amp_patch is disabled (enabled=False): models and optimizers unchanged")
+        _logging.logger.info(
+            "amp_patch is disabled (enabled=False): models and optimizers unchanged")
 
     out_models = model_list if models_listed else model_list[0]
     if optimizers is None:
@@ -179,14 +183,18 @@ def initialize(
 
 def _build(session: _session.AmpSession) -> None:
     props = session.props
-    session.sharding = _fsdp.prepare(session)  # before the cast: it says what FSDP casts itself
-    _model.prepare(session)
+    # Each stage gets what it needs of the session (the settings, the models, on_close, the
+    # masters) and returns what the session keeps; none of them looks the session up.
+    # Before the cast: the sharding plan says what FSDP casts itself.
+    session.sharding = _fsdp.prepare(props, session.models, session.on_close)
+    _model.prepare(props, session.models, session.on_close, sharding=session.sharding,
+                   master_for=session.master_for, load_master=session.load_master)
     # Before O1's patches, so that O1's wrappers call the emulating ones they find.
-    _cpu_half.install(session)
+    session.cpu_half = _cpu_half.install(props, session.models, session.on_close)
     if props.patch_torch_functions:
-        _install_patches(session)
+        install_casts(session)
         if session.sharding is not None:
-            _regather.install(session, session.sharding.states)
+            _regather.install(session.casts, session.sharding.states, session.on_close)
     for optimizer in session.optimizers:
         session.optimizer_records[id(optimizer)] = _optim.process(
             optimizer, bool(props.master_weights), session.on_close, disable_casts)
@@ -194,8 +202,26 @@ def _build(session: _session.AmpSession) -> None:
                        for i in range(props.num_losses)]
     _debug.install(session)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        _fsdp.install_order_guard(session)
+        _fsdp.install_order_guard(session.models, session.optimizer_records.values(),
+                                  session.on_close)
         _agree.check_kernels(_ops.native_extension_loaded())
+
+
+def install_casts(session: _session.AmpSession, *, allow_banned: bool = False,
+                  enable_caching: bool = True) -> None:
+    """Install O1's patches for ``session`` and keep their state in ``session.casts``.
+
+    ``session.casts`` goes back to None when the session closes, after the
+    patches are undone.
+
+    Args:
+        session (AmpSession): the session being built.
+        allow_banned (bool, optional): see :func:`amp_patch.patching.install`. Default: False.
+        enable_caching (bool, optional): see :func:`amp_patch.patching.install`. Default: True.
+    """
+    session.on_close("the session's O1 state", lambda: setattr(session, "casts", None))
+    session.casts = _install_patches(session.props.half_dtype, session.models, session.on_close,
+                                     allow_banned=allow_banned, enable_caching=enable_caching)
 
 
 def deinitialize() -> None:
@@ -209,6 +235,10 @@ def deinitialize() -> None:
 
     Example::
 
+        >>> original_mm = torch.mm
+        >>> model, opt = amp.initialize(model, opt, opt_level="O1")
+        >>> torch.mm is original_mm
+        False
         >>> amp.deinitialize()
         >>> torch.mm is original_mm
         True
@@ -275,7 +305,10 @@ def check_scaler_states(session: _session.AmpSession, state: Any) -> list[str]:
 
     Example::
 
-        >>> check_scaler_states(session, {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
+        >>> from amp_patch import session
+        >>> model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16)
+        >>> check_scaler_states(session.current(),
+        ...                     {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
         ['loss_scaler0']
     """
     n = len(session.scalers)
@@ -363,7 +396,7 @@ def _check_params_belong(models: Sequence[nn.Module], optimizers: Sequence[Any],
     shown = ", ".join(foreign[:5]) + (f", and {n - 5} more" if n > 5 else "")
     what = (f"{n} parameter{'s' if n > 1 else ''} of the optimizers belong{'s' if n == 1 else ''} "
             f"to none of the models passed to amp_patch.initialize(): {shown}")
-    if props.opt_level in ("O2", "O3"):
+    if _levels.get(props.opt_level).casts_model_to_half:  # O2, O3
         raise ValueError(f"{what}. {props.opt_level} casts the models passed, so the optimizer "
                          "must be built over their parameters: pass every model it steps.")
     warnings.warn(f"{what}. amp will step them but casts nothing for them; pass every model "
@@ -375,7 +408,8 @@ def _check_no_float64_params(models: Sequence[nn.Module], props: Properties) -> 
     forward with a dtype mismatch, so say it here, by name."""
     if props.cast_model_type not in HALF_DTYPES:
         return
-    doubles = [name for name, p in _model.named_parameters(list(models)) if p.dtype == torch.float64]
+    doubles = [name for name, p in _model.named_parameters(list(models))
+               if p.dtype == torch.float64]
     if doubles:
         raise ValueError(
             f"{props.opt_level} casts the model to {props.cast_model_type}, but amp leaves float64 "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -78,6 +78,8 @@ def scale_loss(
 
     Example::
 
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> loss = loss_fn(model(x), y)
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
         >>> optimizer.step()
@@ -94,7 +96,8 @@ def scale_loss(
             f"got {type(loss).__name__}"
         )
     opt_list = _as_optimizer_list(optimizers)
-    if not isinstance(loss_id, int) or isinstance(loss_id, bool) or not 0 <= loss_id < props.num_losses:
+    if (not isinstance(loss_id, int) or isinstance(loss_id, bool)
+            or not 0 <= loss_id < props.num_losses):
         raise RuntimeError(
             f"loss_id={loss_id!r} is out of range: initialize() was called with "
             f"num_losses={props.num_losses}, so loss_id must be in 0..{props.num_losses - 1}"
@@ -206,9 +209,11 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
 
     Example::
 
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> loss = loss_fn(model(x), y)
         >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...     scaled_loss.backward()
-        >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
+        >>> total_norm = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
         >>> optimizer.step()
     """
     session = _session.current()
@@ -226,7 +231,7 @@ def _end_iteration(session: _session.AmpSession) -> None:
         session.rank_check.iteration_ended(session)
 
 
-def _as_optimizer_list(optimizers) -> list[torch.optim.Optimizer]:
+def _as_optimizer_list(optimizers) -> list[Any]:
     if isinstance(optimizers, OPTIMIZER_TYPES):
         return [optimizers]
     if isinstance(optimizers, (list, tuple)) and all(

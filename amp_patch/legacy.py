@@ -7,7 +7,7 @@ import logging
 import torch
 
 from amp_patch import _logging, cpu_half, session as _session
-from amp_patch.patching import install
+from amp_patch.frontend import install_casts
 from amp_patch.properties import Properties
 
 __all__ = ["init", "AmpHandle"]
@@ -24,7 +24,8 @@ class AmpHandle:
 
     Example::
 
-        >>> handle = amp.init()
+        >>> handle = amp.init(half_dtype=torch.float16)
+        >>> a = b = torch.ones(2, 2)
         >>> handle.is_active()
         True
         >>> handle._deactivate()      # torch's functions are the originals again
@@ -80,7 +81,8 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
 
     Example::
 
-        >>> handle = amp.init()
+        >>> handle = amp.init(half_dtype=torch.float16)
+        >>> a = b = torch.ones(2, 2)
         >>> torch.mm(a, b).dtype          # half under the patches
         torch.float16
         >>> handle._deactivate()
@@ -99,8 +101,9 @@ def init(enabled: bool = True, loss_scale="dynamic", enable_caching: bool = True
         raise
     session.on_close("the amp_patch logger's level and handler", restore_logging)
     try:
-        cpu_half.install(session)  # first, as in initialize: O1's wrappers call the emulating ones
-        install(session, allow_banned=allow_banned, enable_caching=enable_caching)
+        # First, as in initialize: O1's wrappers call the emulating ones.
+        session.cpu_half = cpu_half.install(props, session.models, session.on_close)
+        install_casts(session, allow_banned=allow_banned, enable_caching=enable_caching)
     except BaseException:
         _session.reset()
         raise

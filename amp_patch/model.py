@@ -12,7 +12,7 @@ weights O2 trains), else the half tensor cast to fp32. ``load_state_dict``
 takes fp32 or half entries, and a master takes the loaded value exactly.
 
 Which tensors are cast: floating tensors of fp16, bf16 and fp32, the same rule
-as O1's wrappers (SPEC section 3). float64 passes through, so a caller who
+as O1's wrappers (docs/design.md, "O1 casting"). float64 passes through, so a caller who
 deliberately feeds doubles (a double-precision target, say) keeps them;
 integer, bool and complex tensors, strings, ndarrays and other objects pass
 through untouched.
@@ -21,8 +21,8 @@ through untouched.
 from __future__ import annotations
 
 import copy
-from collections.abc import Container, Mapping
-from typing import Any
+from collections.abc import Callable, Container, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -30,14 +30,38 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from amp_patch.dtypes import CASTABLE_DTYPES, HALF_DTYPES
-from amp_patch.session import AmpSession
+
+if TYPE_CHECKING:
+    from amp_patch.properties import Properties
 
 __all__ = ["prepare", "cast_module", "cast_own_tensors", "cast_floating", "named_parameters",
            "kept_fp32"]
 
 
-def prepare(session: AmpSession) -> None:
-    """Cast the session's models and register the input/output cast hooks.
+class Sharding(Protocol):
+    """What :func:`prepare` needs of the FSDP2 states of the models
+    (:class:`amp_patch.distributed.fsdp.ShardingPlan` is the one implementation)."""
+
+    #: ``id()`` of the sharded parameters whose dtype FSDP's policy gives them.
+    policy_cast: frozenset[int]
+
+    def refresh(self) -> None:
+        """Make FSDP take the cast shards as its own."""
+
+
+def _no_master(param: torch.Tensor) -> torch.Tensor | None:
+    return None
+
+
+def _no_load(param: torch.Tensor, value: torch.Tensor) -> None:
+    return None
+
+
+def prepare(props: Properties, models: list[nn.Module], on_close: Callable[..., None], *,
+            sharding: Sharding | None = None,
+            master_for: Callable[[torch.Tensor], torch.Tensor | None] = _no_master,
+            load_master: Callable[[torch.Tensor, torch.Tensor], None] = _no_load) -> None:
+    """Cast the models and register the input/output cast hooks.
 
     Does nothing when ``props.cast_model_type`` is not a dtype (O1, or
     ``cast_model_type=False``). Otherwise every floating parameter and buffer
@@ -47,21 +71,37 @@ def prepare(session: AmpSession) -> None:
     forward hook casts floating outputs to ``cast_model_outputs`` (fp32 when
     None). Under a half model type, state-dict hooks make ``model.state_dict()``
     fp32 and let ``load_state_dict`` set the masters. Removing the hooks is
-    registered with ``session.on_close``, and so is undoing the casts, for an
+    registered with ``on_close``, and so is undoing the casts, for an
     :func:`amp_patch.initialize` that fails later on (a successful session
     keeps the model's dtypes at deinitialize).
 
     Args:
-        session (AmpSession): the session being built; its ``models`` are changed in place.
+        props (Properties): the session's settings.
+        models (list of torch.nn.Module): changed in place.
+        on_close (callable): ``on_close(what, undo, abort=...)`` registers an undo with
+            the session (:meth:`amp_patch.session.AmpSession.on_close`).
+        sharding (Sharding, optional): what FSDP preparation did to the models'
+            FSDP2 states; None when none is sharded.
+        master_for (callable, optional): ``master_for(param)``: the fp32 master
+            an optimizer keeps for ``param``, or None; read when
+            ``state_dict()`` runs (the optimizers are processed after the cast).
+            Default: no masters.
+        load_master (callable, optional): ``load_master(param, value)``: set
+            ``param``'s master, if any, to ``value`` (``load_state_dict``).
 
     Example::
 
-        >>> session = AmpSession(Properties.from_opt_level("O2", torch.bfloat16), [model], [])
-        >>> prepare(session)
-        >>> next(model.parameters()).dtype
+        >>> from amp_patch.properties import Properties
+        >>> model = nn.Linear(2, 2)
+        >>> undos = []
+        >>> props = Properties.from_opt_level("O2", torch.bfloat16)
+        >>> prepare(props, [model], lambda what, undo, abort=None: undos.append(undo))
+        >>> model.weight.dtype
         torch.bfloat16
+        >>> for undo in reversed(undos):  # what the session's close does
+        ...     if undo is not None:
+        ...         undo()
     """
-    props = session.props
     # As in Apex, cast_model_outputs applies even when the model itself is not cast (O1).
     output_dtype = props.cast_model_outputs or (torch.float32 if props.casts_model else None)
     if not props.casts_model and output_dtype is None:
@@ -79,18 +119,17 @@ def prepare(session: AmpSession) -> None:
             original.put_back()
 
     # Registered before anything changes, so that a failure half-way is undone too.
-    session.on_close("model casts", None, abort=uncast)
-    session.on_close("model hooks", remove_hooks)
-    sharding = session.sharding
+    on_close("model casts", None, abort=uncast)
+    on_close("model hooks", remove_hooks)
     # Sharded params whose dtype FSDP's policy gives them (O2) keep theirs: they are the masters.
     leave = sharding.policy_cast if sharding is not None else frozenset()
-    for model in session.models:
+    for model in models:
         if props.casts_model:
             model_dtype: torch.dtype = props.cast_model_type  # type: ignore[assignment]
             keep_bn = bool(props.keep_batchnorm_fp32) and model_dtype != torch.float32
             cast_module(model, model_dtype, keep_bn, originals=originals, leave=leave)
             if model_dtype in HALF_DTYPES:
-                handles += _register_fp32_state_dict(model, session)
+                handles += _register_fp32_state_dict(model, master_for, load_master)
 
             def cast_inputs(module, args, kwargs, _dtype=model_dtype):
                 return cast_floating(args, _dtype), cast_floating(kwargs, _dtype)
@@ -117,6 +156,8 @@ def named_parameters(models: list[nn.Module]):
 
     Example::
 
+        >>> mlp_a = nn.Sequential(nn.Linear(4, 16), nn.ReLU())
+        >>> mlp_b = nn.Sequential(nn.Linear(4, 16), nn.ReLU())
         >>> dict(named_parameters([mlp_a, mlp_b]))["model1.0.bias"].shape
         torch.Size([16])
     """
@@ -197,7 +238,8 @@ def cast_own_tensors(module: nn.Module, dtype: torch.dtype, *,
         >>> seq[0].weight.dtype
         torch.float32
     """
-    tensors = [p for p in module.parameters(recurse=False) if id(p) not in leave]
+    tensors: list[torch.Tensor] = [p for p in module.parameters(recurse=False)
+                                   if id(p) not in leave]
     tensors += [b for b in module.buffers(recurse=False) if b is not None]
     for t in tensors:
         if t.dtype != dtype and (t.dtype in castable if castable is not None
@@ -249,7 +291,9 @@ class _Original:
             t.grad = self.grad
 
 
-def _register_fp32_state_dict(model: nn.Module, session: AmpSession) -> list:
+def _register_fp32_state_dict(model: nn.Module,
+                              master_for: Callable[[torch.Tensor], torch.Tensor | None],
+                              load_master: Callable[[torch.Tensor, torch.Tensor], None]) -> list:
     """One state-dict hook pair per module, each for its own params and buffers, so that a
     submodule's ``state_dict()`` is fp32 too. Masters are looked up at call time: the
     optimizers are processed after the model is cast."""
@@ -264,7 +308,7 @@ def _register_fp32_state_dict(model: nn.Module, session: AmpSession) -> list:
             value = state_dict.get(key)
             if not isinstance(value, torch.Tensor) or value.dtype not in HALF_DTYPES:
                 continue
-            master = session.master_for(t)
+            master = master_for(t)
             if master is None:
                 state_dict[key] = value.detach().float()
             else:  # as state_dict(keep_vars=...) gave the param: the master itself, or detached
@@ -274,7 +318,7 @@ def _register_fp32_state_dict(model: nn.Module, session: AmpSession) -> list:
         for name, p in module.named_parameters(recurse=False):
             value = state_dict.get(prefix + name)
             if isinstance(value, torch.Tensor) and value.is_floating_point():
-                session.load_master(p, value)
+                load_master(p, value)
 
     handles = []
     for module in model.modules():
@@ -320,7 +364,7 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, Mapping):
         if type(value) is dict:
             return {k: cast_floating(v, dtype) for k, v in value.items()}
-        out = copy.copy(value)  # keeps OrderedDict, defaultdict's factory, and the like
+        out: Any = copy.copy(value)  # keeps OrderedDict, defaultdict's factory, and the like
         for k, v in value.items():
             out[k] = cast_floating(v, dtype)
         return out

@@ -19,7 +19,7 @@ may share memory with no other tensor of the call, except that ``dst[i]`` may be
 .. note::
     Every tensor in one call must be on the same device as ``found_inf``.
     Callers group tensors by device first (for instance with
-    :func:`amp_patch.scaler.group_by_device_and_dtype`).
+    :func:`amp_patch.tensors.group_by_device_and_dtype`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -132,7 +132,8 @@ def _check_no_overlap(op: str, out_name: str, out: Sequence[Tensor], in_name: st
             extents.append((str(t.device), *_byte_range(t), False, f"{in_name}[{i}]"))
     extents.sort(key=lambda e: (e[0], e[1]))
     # The extent reaching furthest so far, among all and among the written ones.
-    far_any = far_written = None
+    far_any: tuple | None = None
+    far_written: tuple | None = None
     for e in extents:
         device, first, end, written, name = e
         reach = far_any if written else far_written
@@ -269,7 +270,7 @@ def _no_output_fake(*args, **kwargs) -> None:
 
 
 # name: (reference body, fake kernel)
-_REFERENCE = {
+_REFERENCE: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "multi_tensor_unscale_": (_unscale_ref, _no_output_fake),
     "multi_tensor_unscale_copy_": (_unscale_copy_ref, _no_output_fake),
     "multi_tensor_axpby_": (_axpby_ref, _no_output_fake),
@@ -347,6 +348,7 @@ def multi_tensor_unscale_(tensors: list[Tensor], found_inf: Tensor, inv_scale: T
 
     Example::
 
+        >>> grads = [torch.full((2,), 65536.0), torch.full((3,), 65536.0, dtype=torch.bfloat16)]
         >>> found_inf = torch.zeros(1)
         >>> multi_tensor_unscale_(grads, found_inf, torch.full((1,), 1 / 65536.0))
     """
@@ -368,6 +370,7 @@ def multi_tensor_unscale_copy_(
 
     Example::
 
+        >>> model.bfloat16()(x.bfloat16()).float().pow(2).mean().backward()
         >>> half_grads = [p.grad for p in model.parameters()]
         >>> master_grads = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
         >>> found_inf = torch.zeros(1)
@@ -456,7 +459,10 @@ def multi_tensor_unscale_l2norm(x: list[Tensor], inv_scale: Tensor,
 
     Example::
 
+        >>> grads = [torch.full((4,), 65536.0), torch.full((12,), 65536.0)]
         >>> total, _ = multi_tensor_unscale_l2norm(grads, torch.full((1,), 1 / 65536.0))
+        >>> total
+        tensor(4.)
         >>> torch.nn.utils.clip_grads_with_norm_(params, 1.0, total)  # doctest: +SKIP
     """
     return _ops.multi_tensor_unscale_l2norm(x, inv_scale, per_tensor)
@@ -619,7 +625,7 @@ def _adam_direction(m: Tensor, v: Tensor, p: Tensor | None, bc1: float, bc2: flo
     """Adam's update direction from the moments, with AdamW's decay term (LAMB's too)."""
     u = _div(m, bc1) / (_sqrt_rn(_div(v, bc2)) + eps)
     if adam_w_mode and wd != 0.0:
-        u = u + wd * p
+        u = u + wd * p  # type: ignore[operator]  # LAMB and AdamW always pass p
     return u
 
 
@@ -628,7 +634,7 @@ def _adam_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, 
                   adam_w_mode: bool) -> tuple[Tensor, Tensor, Tensor]:
     """New moments from an unscaled grad, and the direction (LAMB: c1 is beta3)."""
     if not adam_w_mode and wd != 0.0:
-        g = g + wd * p
+        g = g + wd * p  # type: ignore[operator]  # p is given whenever decay applies
     m = b1 * m.float() + c1 * g
     v = b2 * v.float() + c2 * g * g
     return m, v, _adam_direction(m, v, p, bc1, bc2, eps, wd, adam_w_mode)
@@ -761,7 +767,7 @@ def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, glob
         m, v, u = _adam_moments(_grad32(grad, inv_scale) / clip, p, exp_avgs[i], exp_avg_sqs[i],
                                 b1, b2, b3, c2, bc1, bc2, eps, wd, adam_w_mode)
         if norms_wanted:
-            sums[0, i] = p.double().square().sum()
+            sums[0, i] = p.double().square().sum()  # type: ignore[union-attr]  # norms_wanted
         sums[1, i] = u.double().square().sum()
         _commit(keep, (exp_avgs[i], m), (exp_avg_sqs[i], v))
     norms = sums.sqrt().float()
@@ -891,7 +897,12 @@ def multi_tensor_sgd_(
 
     Example::
 
+        >>> params = [torch.ones(3), torch.ones(2)]
+        >>> grads = [torch.full((3,), 0.5), torch.full((2,), 0.5)]
+        >>> bufs = [torch.zeros(3), torch.zeros(2)]
         >>> ops.multi_tensor_sgd_(grads, params, bufs, [], None, None, lr=0.1, momentum=0.9)
+        >>> params[0]
+        tensor([0.9500, 0.9500, 0.9500])
     """
     _ops.multi_tensor_sgd_(grads, params, momentum_buffers, model_params, noop, inv_scale, lr,
                            weight_decay, momentum, dampening, nesterov, first_run, wd_after_momentum)

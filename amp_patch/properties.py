@@ -1,29 +1,49 @@
-"""Opt-level presets (O0-O3) and the validated, frozen properties of a session."""
+"""The validated, frozen properties of a session; the opt levels' presets come from
+:mod:`amp_patch.levels`."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-from amp_patch.cpu_half import check_mode as check_cpu_half_mode
+from amp_patch import levels as _levels
 from amp_patch.dtypes import check_half_dtype
+from amp_patch.levels import DYNAMIC
 
-__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS"]
+__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS", "CPU_HALF_MODES",
+           "check_cpu_half_mode"]
 
-DYNAMIC = "dynamic"
 #: Consecutive skipped steps a static loss scale allows before it is an error.
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 50
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
+#: The level names, in order (the registry is :data:`amp_patch.levels.OPT_LEVELS`).
+OPT_LEVELS = _levels.NAMES
+#: The values of the ``cpu_half_compute`` property (:mod:`amp_patch.cpu_half` acts on them).
+CPU_HALF_MODES = ("auto", "native", "emulate")
 
 # cast_model_type: a dtype, None (leave the model alone) or False (no model or input casting).
-CastType = Union[torch.dtype, None, bool]
+CastType = torch.dtype | bool | None
 
 
-# Placeholder in the presets for the session's half dtype; resolved in from_opt_level.
-_HALF = "half"
+def check_cpu_half_mode(value: Any) -> str:
+    """``value`` when it is one of :data:`CPU_HALF_MODES`.
+
+    Raises:
+        ValueError: otherwise, naming the choices.
+
+    Example::
+
+        >>> check_cpu_half_mode("emulate")
+        'emulate'
+    """
+    if not (isinstance(value, str) and value in CPU_HALF_MODES):
+        raise ValueError(
+            "cpu_half_compute must be 'auto' (emulate half matmuls where the CPU has no native "
+            f"half), 'native' or 'emulate', got {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -91,12 +111,7 @@ class Properties:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalisation of a frozen instance, before anyone sees it
-        if self.opt_level not in OPT_LEVELS:
-            raise ValueError(
-                f"Unexpected optimization level {self.opt_level!r}. Options are 'O0', 'O1', 'O2', "
-                "'O3'. Note that in 'O0', 'O1', etc., the prefix O is the letter O, not the "
-                "number zero."
-            )
+        level = _levels.get(self.opt_level)  # raises for an unknown level, listing them
         check_half_dtype(self.half_dtype)
         check_cpu_half_mode(self.cpu_half_compute)
         set_(self, "keep_batchnorm_fp32", _parse_optional_bool(self.keep_batchnorm_fp32))
@@ -107,16 +122,19 @@ class Properties:
                 "cast_model_type must be a torch.dtype, None or False, "
                 f"got {self.cast_model_type!r}"
             )
-        if isinstance(self.cast_model_type, torch.dtype) and not self.cast_model_type.is_floating_point:
-            raise ValueError(f"cast_model_type must be a floating dtype, got {self.cast_model_type}")
+        if (isinstance(self.cast_model_type, torch.dtype)
+                and not self.cast_model_type.is_floating_point):
+            raise ValueError(
+                f"cast_model_type must be a floating dtype, got {self.cast_model_type}")
         if self.cast_model_outputs is not None and not (
-            isinstance(self.cast_model_outputs, torch.dtype) and self.cast_model_outputs.is_floating_point
+            isinstance(self.cast_model_outputs, torch.dtype)
+            and self.cast_model_outputs.is_floating_point
         ):
             raise ValueError(
                 f"cast_model_outputs must be a floating torch.dtype or None, "
                 f"got {self.cast_model_outputs!r}"
             )
-        if self.opt_level == "O1":
+        if level.patch_torch_functions:  # O1: it patches torch instead of casting the model
             if self.cast_model_type not in (None, False, torch.float32):
                 raise ValueError(
                     "O1 inserts casts around torch functions rather than casting the model: "
@@ -139,7 +157,8 @@ class Properties:
                 "the other levels cast the model instead of patching torch."
             )
         if self.master_weights is not None and not isinstance(self.master_weights, bool):
-            raise ValueError(f"master_weights must be True, False or None, got {self.master_weights!r}")
+            raise ValueError(
+                f"master_weights must be True, False or None, got {self.master_weights!r}")
         if not isinstance(self.num_losses, int) or self.num_losses < 1:
             raise ValueError(f"num_losses must be a positive int, got {self.num_losses!r}")
         if not (isinstance(self.max_consecutive_skips, int) and not isinstance(
@@ -148,7 +167,8 @@ class Properties:
                 f"max_consecutive_skips must be a positive int, got {self.max_consecutive_skips!r}"
             )
         if not (isinstance(self.max_loss_scale, (int, float)) and self.max_loss_scale > 0):
-            raise ValueError(f"max_loss_scale must be a positive number, got {self.max_loss_scale!r}")
+            raise ValueError(
+                f"max_loss_scale must be a positive number, got {self.max_loss_scale!r}")
         set_(self, "max_loss_scale", float(self.max_loss_scale))
         if self.min_loss_scale is not None:
             if not (isinstance(self.min_loss_scale, (int, float)) and self.min_loss_scale > 0):
@@ -181,13 +201,7 @@ class Properties:
             >>> Properties.from_opt_level("O2", torch.bfloat16).loss_scale
             1.0
         """
-        if not isinstance(opt_level, str) or opt_level not in OPT_LEVELS:
-            cls(opt_level=opt_level)  # raises the descriptive error
-        preset = dict(_PRESETS[opt_level])
-        if preset["cast_model_type"] == _HALF:
-            preset["cast_model_type"] = half_dtype
-        if half_dtype == torch.bfloat16:
-            preset["loss_scale"] = 1.0  # bf16 has fp32's range: no scaling needed
+        preset = _levels.get(opt_level).preset(half_dtype)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown amp properties: {sorted(unknown)}")
@@ -223,7 +237,8 @@ def _parse_optional_bool(value: Any) -> bool | None:
         return value
     if value in ("True", "False"):
         return value == "True"
-    raise ValueError(f"keep_batchnorm_fp32 must be True, False, 'True', 'False' or None, got {value!r}")
+    raise ValueError(
+        f"keep_batchnorm_fp32 must be True, False, 'True', 'False' or None, got {value!r}")
 
 
 def _parse_loss_scale(value: Any) -> float | str:
@@ -236,15 +251,3 @@ def _parse_loss_scale(value: Any) -> float | str:
     if not scale > 0 or scale == float("inf"):
         raise ValueError(f"loss_scale must be a positive finite number, got {value!r}")
     return scale
-
-
-_PRESETS: dict[str, dict[str, Any]] = {
-    "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False,
-               keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
-    "O1": dict(cast_model_type=None, patch_torch_functions=True,
-               keep_batchnorm_fp32=None, master_weights=None, loss_scale=DYNAMIC),
-    "O2": dict(cast_model_type=_HALF, patch_torch_functions=False,
-               keep_batchnorm_fp32=True, master_weights=True, loss_scale=DYNAMIC),
-    "O3": dict(cast_model_type=_HALF, patch_torch_functions=False,
-               keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
-}

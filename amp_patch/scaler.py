@@ -1,4 +1,5 @@
-"""The loss scaler: scale and overflow flag as device tensors, the update rule, its checkpoint state.
+"""The loss scaler: scale and overflow flag as device tensors, the update rule, its checkpoint
+state.
 
 One :class:`LossScaler` exists per ``loss_id``. Its scale lives twice: as a
 host float (the *mirror*, used to scale the loss and as the float argument of
@@ -11,7 +12,7 @@ one host sync of an iteration and then changes the mirror and the device
 tensors together, so the two never disagree.
 
 Every tensor of one fused op call must be on one device. Here,
-:func:`group_by_device_and_dtype` splits the lists of the unscale passes; the
+:func:`~amp_patch.tensors.group_by_device_and_dtype` splits the lists of the unscale passes; the
 copy of the masters into the model and :func:`amp_patch.clip_grad_norm_`
 (``FP16_Optimizer.clip_master_grads`` among its callers) use it too. The other fused calls split
 their lists themselves: :meth:`LossScaler.check` and the fused optimizers'
@@ -30,8 +31,8 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.distributed.fsdp import local_tensors
 from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
+from amp_patch.tensors import group_by_device_and_dtype  # re-exported: it was public here
 
 __all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype", "unscale_grads"]
 
@@ -43,49 +44,6 @@ INITIAL_DYNAMIC_SCALE = 2.0**16
 SCALE_WINDOW = 2000
 #: Floor below which the scale must never go (it would reach denormals, then 0).
 DEFAULT_MIN_LOSS_SCALE = 2.0**-24
-
-GroupKey = tuple[torch.device, torch.dtype]
-
-
-def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[list[Tensor], ...]]:
-    """Split parallel lists of tensors by the (device, dtype) of the first list's tensors.
-
-    Each fused op call takes tensors of one device. The ops do not need the
-    split by dtype (they take lists that mix dtypes and run each tensor with
-    its dtype's kernel); with it, each call gets one dtype, and a caller that
-    reduces per group (a norm) combines one result per (device, dtype). The
-    lists are kept parallel: element ``i`` of every list lands in the same
-    group, in the original order.
-    A DTensor (FSDP2's sharded params and grads) lands as its local shard
-    (:func:`amp_patch.distributed.fsdp.local_tensors`): each rank works on its own.
-
-    Args:
-        *lists (sequence of Tensor): lists of equal length; the first decides the groups.
-
-    Returns:
-        dict: ``(device, dtype)`` to a tuple with one list per input list.
-
-    Example::
-
-        >>> groups = group_by_device_and_dtype(model_grads, master_grads)
-        >>> for (device, dtype), (src, dst) in groups.items():
-        ...     ops.multi_tensor_unscale_copy_(src, dst, found_inf, inv_scale)
-    """
-    if not lists:
-        return {}
-    lists = tuple(local_tensors(list(lst)) for lst in lists)
-    n = len(lists[0])
-    if any(len(lst) != n for lst in lists):
-        raise ValueError("group_by_device_and_dtype: the lists must have equal lengths")
-    groups: dict[GroupKey, tuple[list[Tensor], ...]] = {}
-    for i, key_tensor in enumerate(lists[0]):
-        key = (key_tensor.device, key_tensor.dtype)
-        bucket = groups.get(key)
-        if bucket is None:
-            bucket = groups[key] = tuple([] for _ in lists)
-        for out, lst in zip(bucket, lists):
-            out.append(lst[i])
-    return groups
 
 
 def unscale_grads(in_place: Iterable[Tensor], copy: tuple[Sequence[Tensor], Sequence[Tensor]],
@@ -175,7 +133,8 @@ class LossScaler:
         self.max_loss_scale = float(max_loss_scale)
         self.min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
         self.scale_window = scale_window
-        self._scale = min(INITIAL_DYNAMIC_SCALE, self.max_loss_scale) if self.dynamic else float(loss_scale)
+        self._scale = (min(INITIAL_DYNAMIC_SCALE, self.max_loss_scale) if self.dynamic
+                       else float(loss_scale))
         self.max_consecutive_skips = max_consecutive_skips
         self._unskipped = 0
         self._skipped = 0
@@ -289,8 +248,12 @@ class LossScaler:
 
         Example::
 
+            >>> from amp_patch.properties import Properties
+            >>> scaler = LossScaler.from_properties(Properties.from_opt_level("O2", torch.float16))
+            >>> loss_fn(model(x), y).backward()
             >>> norms = scaler.check([p.grad for p in model.parameters()])
-            >>> overflow = scaler.update()   # the one host sync
+            >>> scaler.update()   # the one host sync: True on overflow
+            False
         """
         by_device: dict[torch.device, list[Tensor]] = {}
         for g in grads:
@@ -377,8 +340,9 @@ class LossScaler:
                 raise self._collapse(nonfinite_names, f"even at loss scale {self._scale}; it would "
                                                       f"fall below the floor {floor}")
             self._set_scale(max(halved, floor))
-            logger.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s",
-                        self.loss_id, self._scale)
+            # Apex's words, two spaces included: scripts and log scrapers look for them.
+            logger.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale "
+                        "to %s", self.loss_id, self._scale)
             return True
         if self._consecutive > self.max_consecutive_skips:
             raise self._collapse(
@@ -443,12 +407,14 @@ class LossScaler:
             counts = tuple(_count(state.get(k, 0)) for k in ("unskipped", "skipped",
                                                              "consecutive_skips"))
         except (TypeError, ValueError):
-            raise ValueError(f"{where}: 'loss_scale' must be a number and 'unskipped', 'skipped' "
-                             f"and 'consecutive_skips' non-negative ints; got {dict(state)!r}") from None
+            raise ValueError(
+                f"{where}: 'loss_scale' must be a number and 'unskipped', 'skipped' and "
+                f"'consecutive_skips' non-negative ints; got {dict(state)!r}") from None
         if not (0.0 < scale < float("inf")):
             raise ValueError(f"{where}: invalid saved loss_scale {scale!r}; it must be a positive "
                              "finite number")
-        return (scale, *counts)
+        unskipped, skipped, consecutive = counts
+        return scale, unskipped, skipped, consecutive
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the state saved by :meth:`state_dict`; pending overflow flags are cleared.
@@ -467,7 +433,8 @@ class LossScaler:
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
-        return f"LossScaler(id={self.loss_id}, {kind}, scale={self._scale}, unskipped={self._unskipped})"
+        return (f"LossScaler(id={self.loss_id}, {kind}, scale={self._scale}, "
+                f"unskipped={self._unskipped})")
 
 
 def _count(value: Any) -> int:

@@ -22,7 +22,6 @@ import torch
 
 if TYPE_CHECKING:
     from amp_patch.cpu_half import CpuHalfPlan
-    from amp_patch.distributed.debug import RankCheck
     from amp_patch.distributed.fsdp import ShardingPlan
     from amp_patch.optim import OptimizerRecord
     from amp_patch.patching.state import CastState
@@ -77,7 +76,8 @@ class AmpSession:
         self.serial = next(_serials)
         self.cpu_half: CpuHalfPlan | None = None
         self.sharding: ShardingPlan | None = None
-        self.rank_check: RankCheck | None = None
+        # A RankCheck (amp_patch.distributed.debug, a layer above): typed loosely, no import.
+        self.rank_check: Any = None
         # (what, undo, abort-only undo or None): see on_close.
         self._undo: list[tuple[str, Callable[[], None] | None, Callable[[], None] | None]] = []
         self.closed = False

@@ -7,7 +7,7 @@ backward, and the optimizer step, as a training loop runs them; only the
 model is compiled. ``torch._dynamo.explain`` reports the graphs and breaks of
 the forward and loss.
 
-Target (PERFORMANCE.md, C1): 0 graph breaks; the compiled step at least as
+Target (docs/design.md, "Performance targets", C1): 0 graph breaks; the compiled step at least as
 fast as the eager one.
 
 Run: ``python benchmarks/bench_compile.py`` (writes the "compile" section of

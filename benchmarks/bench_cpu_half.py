@@ -22,7 +22,7 @@ The configurations:
 - fp16 O2 and O3 forced native: the slow path that emulation replaces
   (``--skip-slow`` leaves them out).
 
-Targets (issue 16): emulated O2 and O3 steps take at most 1.25x O0's time on a
+Targets (docs/design.md, "Performance targets", CPU half): emulated O2 and O3 steps take at most 1.25x O0's time on a
 host without native bf16; on a native host, ``"auto"`` adds at most 1%. On a
 native host ``"auto"`` installs no wrapper, so the step runs the very same
 calls as ``"native"``: the script checks that, and reports the once-per-process

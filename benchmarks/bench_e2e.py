@@ -206,7 +206,7 @@ def report(results: dict[str, dict[str, dict]], device: str, half: str, rounds: 
             target_rows.append([row, workload, what, f"{op} {target}", *cells])
     header = ["row", "workload", "ratio", "target"] + [
         f"measured, {a} malloc" if not on_cuda else "measured" for a in results]
-    parts += ["### Targets (PERFORMANCE.md)", "", common.markdown_table(header, target_rows)]
+    parts += ["### Targets (docs/design.md)", "", common.markdown_table(header, target_rows)]
     return "\n".join(parts)
 
 

@@ -9,7 +9,7 @@ times each kernel and its anchor interleaved (median of repeats), and the
 device's bandwidth in the same run: in-place ``mul_`` on CPU, ``copy_`` on GPU.
 Each row gives the speed-up over the anchor and the kernel's time over its
 bandwidth floor (the bytes it must move, each input read once and each output
-written once, over that bandwidth). Besides K1-K4 (PERFORMANCE.md) it times
+written once, over that bandwidth). Besides K1-K4 (docs/design.md, "Performance targets") it times
 the two ops served for Apex's ``amp_C``, which have no target: UL2,
 ``multi_tensor_unscale_l2norm`` against the same math in torch (foreach
 multiply, then foreach norms), and HYST, ``update_scale_hysteresis`` against

@@ -15,7 +15,7 @@ installs):
   cast) against the unpatched op under ``torch.autocast`` (whose own cache
   holds the weight casts).
 
-Targets (PERFORMANCE.md, E4): at most +0.3 us over unpatched with nothing to
+Targets (docs/design.md, "Performance targets", E4): at most +0.3 us over unpatched with nothing to
 cast, and at most autocast + 1.0 us with a cached weight.
 
 Run: ``python benchmarks/bench_overhead.py`` (writes the "overhead" section of

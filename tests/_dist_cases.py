@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import amp_patch as amp  # noqa: E402
 from amp_patch.distributed import close_process_group  # noqa: E402
 from amp_patch.distributed.fsdp import local_tensor  # noqa: E402
+from amp_patch.levels import NAMES as LEVELS  # noqa: E402
 import training_utils  # noqa: E402
 from training_utils import conv_batch, convnet, count_host_syncs  # noqa: E402
 
 CASES: dict[str, Callable[["Ctx", str], None]] = {}
-LEVELS = ("O0", "O1", "O2", "O3")
 GLOBAL_BATCH = 16
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import amp_patch
+from amp_patch.dtypes import HALF_DTYPE_NAMES
 
 
 def _cuda_param(value="cuda"):
@@ -18,9 +19,10 @@ def _cuda_param(value="cuda"):
 #: Devices to parametrize over; CUDA cases skip with a reason on machines without one.
 DEVICES = ["cpu", _cuda_param()]
 
-#: Half dtypes to test on a device. fp16 on CPU is orders of magnitude slower than
-#: fp32 (no native kernels here), so CPU fp16 tests use tiny shapes only.
-HALF_DTYPES = [torch.bfloat16, torch.float16]
+#: Half dtypes to test on a device (amp_patch.dtypes.HALF_DTYPE_NAMES). fp16 on CPU is
+#: orders of magnitude slower than fp32 (no native kernels here), so CPU fp16 tests use
+#: tiny shapes only.
+HALF_DTYPES = list(HALF_DTYPE_NAMES.values())
 
 
 @pytest.fixture(params=DEVICES)
@@ -28,7 +30,7 @@ def device(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=HALF_DTYPES, ids=["bf16", "fp16"])
+@pytest.fixture(params=HALF_DTYPES, ids=list(HALF_DTYPE_NAMES))
 def half_dtype(request) -> torch.dtype:
     return request.param
 

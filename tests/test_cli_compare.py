@@ -20,6 +20,8 @@ import torch
 from rich.console import Console
 
 from amp_patch.cli import compare, machine, ranks, rounds
+from amp_patch.cli.compare import command
+from amp_patch.cli.compare import results as compare_results
 from amp_patch.cli import main as cli_main
 from amp_patch.cli import models
 from amp_patch.cli.options import UsageError
@@ -138,7 +140,7 @@ def test_compare_leaves_autocast_out_without_native_half(native, args, autocast,
     def stop(job, levels, *rest):
         raise _Levels(levels)
 
-    monkeypatch.setattr(compare, "run_compare", stop)
+    monkeypatch.setattr(command, "run_compare", stop)
     with pytest.raises(_Levels) as exc:
         cli_main.main(["compare", "--model", "mlp", "--device", "cpu", *args])
     assert ("autocast" in exc.value.args[0]) == autocast
@@ -318,7 +320,7 @@ def test_speeds_need_three_rounds_and_ratios_pair_rounds():
     base = rounds.LevelRecord("O0", round_steps=[2, 2, 2], round_seconds=[1.0, 2.0, 1.0])
     fast = rounds.LevelRecord("O2", round_steps=[2, 2, 2], round_seconds=[0.5, 1.0, 0.25])
     results = [compare.LevelResult.from_record(r) for r in (base, fast)]
-    compare._derive(results)
+    compare_results.derive(results)
     assert results[0].steps_per_s == 2.0 and results[0].steps_per_s_range == [1.0, 2.0]
     # Round by round, O2 was 2x, 2x and 4x O0: a slow round for both is no spread of the ratio.
     assert results[1].speedup_vs_O0 == 2.0 and results[1].speedup_range == [2.0, 4.0]
@@ -410,7 +412,7 @@ def test_compare_nproc_picks_the_strategy_and_warns_of_more_ranks_than_cpus(
     def stop(job, levels, *rest):
         raise _Levels(job)
 
-    monkeypatch.setattr(compare, "run_compare", stop)
+    monkeypatch.setattr(command, "run_compare", stop)
     with pytest.raises(_Levels) as exc:
         cli_main.main(["compare", "--device", "cpu", *args])
     job = exc.value.args[0]
@@ -425,11 +427,11 @@ def test_compare_nproc_on_cuda_needs_a_gpu_per_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     ns = cli_main.build_parser().parse_args(["compare", "--nproc", "2", "--device", "cuda:1"])
     with pytest.raises(UsageError, match="rank r takes GPU cuda:r; pass --device cuda"):
-        compare._check_ranks(ns, torch.device("cuda", 1))
+        command._check_ranks(ns, torch.device("cuda", 1))
     with pytest.raises(UsageError, match="NCCL needs a GPU per rank and 1 are visible"):
-        compare._check_ranks(ns, torch.device("cuda"))
+        command._check_ranks(ns, torch.device("cuda"))
     ns.nproc = 1  # one process per level: no rank takes a GPU of its own
-    assert compare._check_ranks(ns, torch.device("cuda", 1)) is None
+    assert command._check_ranks(ns, torch.device("cuda", 1)) is None
 
 
 def test_local_batch_splits_every_tensor_by_rows():

@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from amp_patch.levels import NAMES as LEVELS
+
 LEGACY = Path(__file__).resolve().parent.parent / "examples" / "legacy"
-LEVELS = ("O0", "O1", "O2", "O3")
 
 # Runs one script at every level in one interpreter, through the same entry point as the
 # console script, so that each run also starts from what the previous one left behind.
 DRIVER = """
 import sys
 from amp_patch.cli.main import main
+from amp_patch.levels import NAMES as LEVELS
 script, flag, levels, args = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4:]
 for level in levels:
     print("=== level", level, flush=True)

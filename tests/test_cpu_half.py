@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp_patch as amp
 from amp_patch import cpu_half
 from amp_patch.properties import Properties
+from amp_patch.levels import OPT_LEVELS
 from conftest import DEVICES
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -44,7 +45,8 @@ _EPS = {BF16: 2.0**-7, FP16: 2.0**-10}
 _OP_TOL = 2
 _MODEL_TOL = 4
 _GRAD_TOL = 2
-LEVELS = ["O1", "O2", "O3"]
+#: The levels that compute in half (O1-O3), from the registry.
+LEVELS = [name for name, level in OPT_LEVELS.items() if level.computes_in_half]
 
 #: Every patch target as found before any test ran (conftest leaves torch unpatched).
 ORIGINALS = {(prefix, name): wrapt.resolve_path(ns, name)[2] for ns, prefix, name in cpu_half.targets()}

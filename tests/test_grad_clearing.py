@@ -1,4 +1,5 @@
-"""Master grads never carry over between iterations, however the grads are cleared (issue 9.1).
+"""Master grads never carry over between iterations, however the grads are cleared
+(docs/design.md, "Model casting and master weights").
 
 Apex released the fp32 master grads after every ``step()`` and every skipped
 step, because ``model.zero_grad()`` cannot reach them. Training must therefore
@@ -12,10 +13,10 @@ import pytest
 import torch
 
 import amp_patch as amp
+from amp_patch.levels import NAMES as LEVELS
 from training_utils import (assert_identical, conv_batch, convnet, mlp, mlp_batch, single_thread,
                             snapshot, xent)
 
-LEVELS = ["O0", "O1", "O2", "O3"]
 STEPS = 4
 
 

@@ -1,4 +1,4 @@
-"""initialize / deinitialize: return shapes, identity, bad calls (SPEC 1) and exact undo."""
+"""initialize / deinitialize: return shapes, identity, bad calls (docs/design.md, "initialize") and exact undo."""
 
 from __future__ import annotations
 

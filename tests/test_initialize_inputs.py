@@ -1,4 +1,5 @@
-"""initialize on inputs that Apex-era scripts get wrong: each is a clear error or warning (issue 9)."""
+"""initialize on inputs that Apex-era scripts get wrong: each is a clear error or warning
+(docs/design.md, "initialize")."""
 
 from __future__ import annotations
 

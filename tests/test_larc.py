@@ -1,4 +1,4 @@
-"""apex.parallel.LARC: Apex's trust-ratio math around any optimizer, accepted at every level (issue 9.7)."""
+"""apex.parallel.LARC: Apex's trust-ratio math around any optimizer, accepted at every level."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from torch import nn
 
 import amp_patch as amp
 from amp_patch.apex_compat.larc import LARC
+from amp_patch.levels import NAMES as LEVELS
 from training_utils import assert_identical, mlp, mlp_batch, snapshot, train, xent
 
-LEVELS = ["O0", "O1", "O2", "O3"]
 
 
 def apex_larc_step(optim, trust_coefficient=0.02, clip=True, eps=1e-8):

@@ -1,4 +1,5 @@
-"""Under O2/O3 ``model.state_dict()`` is fp32, as Apex's state-dict hook made it (issue 9.4).
+"""Under O2/O3 ``model.state_dict()`` is fp32, as Apex's state-dict hook made it
+(docs/design.md, "Model casting and master weights").
 
 A checkpoint of a cast model therefore loads into an fp32 model, and loading
 fp32 or half weights into the amp model keeps its fp32 masters consistent.

@@ -1,4 +1,4 @@
-"""The O1 weight-cast cache (SPEC section 4)."""
+"""The O1 weight-cast cache (docs/design.md, "The weight-cast cache")."""
 
 from __future__ import annotations
 

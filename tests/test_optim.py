@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import amp_patch as amp
+from amp_patch.levels import NAMES as LEVELS
 from training_utils import convnet, conv_batch, mlp, mlp_batch, train, xent
 
-LEVELS = ["O0", "O1", "O2", "O3"]
 
 
 def test_o2_masters_state_and_model_equals_half_master():

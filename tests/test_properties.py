@@ -1,4 +1,4 @@
-"""Properties: opt-level presets, half_dtype, and every override rule of SPEC section 2."""
+"""Properties: opt-level presets, half_dtype, and every override rule of docs/design.md, "Opt levels"."""
 
 from __future__ import annotations
 

@@ -110,4 +110,5 @@ def test_regather_does_nothing_without_fsdp():
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", verbosity=0)
-    assert regather.install(amp.session.current(), []) == 0
+    session = amp.session.current()
+    assert regather.install(session.casts, [], session.on_close) == 0

@@ -7,9 +7,9 @@ import torch
 
 import amp_patch as amp
 from amp_patch import ops
+from amp_patch.levels import NAMES as LEVELS
 from training_utils import conv_batch, convnet, mlp, mlp_batch, train, xent
 
-LEVELS = ["O0", "O1", "O2", "O3"]
 STEPS = 50
 #: |mean loss over the last 10 steps - O0's|, bf16 on CPU, 50 steps of Adam.
 TOLERANCE = 0.05

@@ -1,4 +1,4 @@
-"""Many initialize/train/deinitialize cycles in one process (issue 9.15).
+"""Many initialize/train/deinitialize cycles in one process.
 
 One long process used to make a later initialize look as if it had not
 registered its optimizer. The cycles here mix opt levels, numbers of losses,
@@ -17,9 +17,9 @@ import torch
 
 import amp_patch as amp
 from amp_patch import session as amp_session
+from amp_patch.levels import NAMES as LEVELS
 from training_utils import mlp, mlp_batch, single_thread, xent
 
-LEVELS = ["O0", "O1", "O2", "O3"]
 CLEARERS = ["optimizer", "model", "none_by_hand"]
 
 

@@ -22,7 +22,10 @@ from typing import Any, Sequence
 import torch
 
 from amp_patch import cpu_half
-from amp_patch.cli.trainer import HALF_DTYPES
+from amp_patch.dtypes import HALF_DTYPE_NAMES
+
+# The class below has a field named torch; annotations inside it reach the module this way.
+_Device = torch.device
 
 __all__ = [
     "LOAD_AVERAGE_LIMIT",
@@ -101,7 +104,7 @@ class HostFacts:
     platform: str
 
     @classmethod
-    def collect(cls, device: str | torch.device = "cpu", threads: int | None = None) -> "HostFacts":
+    def collect(cls, device: str | _Device = "cpu", threads: int | None = None) -> "HostFacts":
         """The facts of this host.
 
         Args:
@@ -305,7 +308,7 @@ def cpu_half_banner(facts: HostFacts, half_dtype: str) -> str | None:
     """
     if not facts.device.startswith("cpu"):
         return None
-    return cpu_half.banner(HALF_DTYPES[half_dtype], "auto")
+    return cpu_half.banner(HALF_DTYPE_NAMES[half_dtype], "auto")
 
 
 def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
@@ -316,7 +319,7 @@ def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
     """
     if not facts.device.startswith("cpu"):
         return None
-    return cpu_half.plan("auto", HALF_DTYPES[half_dtype]).as_dict()
+    return cpu_half.plan("auto", HALF_DTYPE_NAMES[half_dtype]).as_dict()
 
 
 def autocast_is_slow(facts: HostFacts, half_dtype: str) -> bool:

@@ -99,4 +99,5 @@ def main(argv: list[str] | None = None) -> int:
         return ns.func(ns)
     except UsageError as exc:
         # argparse's convention for bad options: usage, the message, exit status 2.
-        ns.parser.error(str(exc))
+        ns.parser.error(str(exc))  # exits with status 2
+        raise  # unreachable: parser.error exits

@@ -108,7 +108,8 @@ class LMConfig:
     fused_adam: bool = False
 
 
-#: The benchmark's default LM (PERFORMANCE.md): about 21 M parameters.
+#: The benchmark's default LM (E1 and E2 in docs/design.md, "Performance targets"): about
+#: 21 M parameters.
 BENCH_LM = LMConfig()
 
 #: The default of ``amp-patch compare``: small enough that five levels train in
@@ -152,7 +153,8 @@ class TransformerLM(nn.Module):
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
         if config.d_model % config.n_heads:
-            raise ValueError(f"d_model ({config.d_model}) must be divisible by n_heads ({config.n_heads})")
+            raise ValueError(f"d_model ({config.d_model}) must be divisible by n_heads "
+                             f"({config.n_heads})")
         self.config = config
         self.tok = nn.Embedding(config.vocab, config.d_model)
         self.pos = nn.Embedding(config.seq_len, config.d_model)
@@ -168,7 +170,8 @@ class TransformerLM(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of shape ``(batch, seq, vocab)`` for int64 ``tokens`` of shape ``(batch, seq)``."""
+        """Logits of shape ``(batch, seq, vocab)`` for int64 ``tokens`` of shape
+        ``(batch, seq)``."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok(tokens) + self.pos(positions)
         for block in self.blocks:
@@ -190,7 +193,8 @@ def lm(
     ``log(branching)`` as the model learns the chain.
 
     Args:
-        device (str or torch.device, optional): where the model and batches live. Default: ``"cpu"``.
+        device (str or torch.device, optional): where the model and batches live.
+            Default: ``"cpu"``.
         batch_size (int, optional): overrides ``config.batch_size``.
         seed (int, optional): seeds the weights and the data. Default: 0.
         config (LMConfig, optional): the sizes. Default: :data:`COMPARE_LM`;
@@ -221,7 +225,8 @@ def lm(
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01,
                                       fused=True if cfg.fused else None)
-    successors = torch.randint(cfg.vocab, (cfg.vocab, cfg.branching), generator=_generator(seed, -1))
+    successors = torch.randint(cfg.vocab, (cfg.vocab, cfg.branching),
+                               generator=_generator(seed, -1))
 
     def batch_fn(step: int) -> torch.Tensor:
         g = _generator(seed, step)
@@ -234,7 +239,8 @@ def lm(
 
     def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               tokens[:, 1:].reshape(-1))
 
     return Workload(model, optimizer, batch_fn, loss_fn)
 
@@ -252,10 +258,12 @@ def mlp(
     classes: int = 16,
     lr: float = 1e-3,
 ) -> Workload:
-    """An MLP of ``layers`` Linear layers with GELU, classifying the output of a fixed random teacher.
+    """An MLP of ``layers`` Linear layers with GELU, classifying the output of a fixed random
+    teacher.
 
     Args:
-        device (str or torch.device, optional): where the model and batches live. Default: ``"cpu"``.
+        device (str or torch.device, optional): where the model and batches live.
+            Default: ``"cpu"``.
         batch_size (int, optional): samples per batch. Default: 256.
         seed (int, optional): seeds the weights, the teacher and the data. Default: 0.
         in_features (int, optional): input width. Default: 256.
@@ -312,7 +320,8 @@ def convnet(
     (O2) is about, so this model shows that difference.
 
     Args:
-        device (str or torch.device, optional): where the model and batches live. Default: ``"cpu"``.
+        device (str or torch.device, optional): where the model and batches live.
+            Default: ``"cpu"``.
         batch_size (int, optional): images per batch. Default: 64.
         seed (int, optional): seeds the weights, the templates and the data. Default: 0.
         image_size (int, optional): height and width. Default: 32.

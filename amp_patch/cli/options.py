@@ -23,6 +23,8 @@ class UsageError(Exception):
     Example::
 
         >>> raise UsageError("--steps must be at least 1, got 0")
+        Traceback (most recent call last):
+        amp_patch.cli.options.UsageError: --steps must be at least 1, got 0
     """
 
 

@@ -48,8 +48,13 @@ class LevelProgress:
 class _RichProgress(LevelProgress):
     def __init__(self, levels: Sequence[str], total: int, console: Any) -> None:
         super().__init__(levels, total)
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         columns = (TextColumn("{task.description:>9}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
@@ -109,7 +114,10 @@ def make_progress(levels: Sequence[str], total: int, console: Any, prefix: str,
 
     Example::
 
-        >>> with make_progress(["O0", "O2"], 100, Console(), "compare") as progress:
+        >>> import io
+        >>> from rich.console import Console
+        >>> console = Console(file=io.StringIO())
+        >>> with make_progress(["O0", "O2"], 100, console, "compare") as progress:
         ...     progress.step("O0", 0, 6.3)
     """
     if console.is_terminal:

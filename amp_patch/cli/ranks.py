@@ -206,7 +206,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if stray:
         raise ValueError(f"shard: the optimizer steps {stray} tensor(s) that are not parameters "
                          "of the model; FSDP2 can only shard the model's own")
-    units = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    units: list[nn.Module] = [m for m in model.modules()
+                              if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     units += [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
     done: set[int] = set()
     for m in units:

@@ -42,8 +42,9 @@ import torch.distributed as dist
 
 from amp_patch.cli import models, ranks
 from amp_patch.cli.machine import cpu_count
-from amp_patch.cli.trainer import HALF_DTYPES, CpuPeak, LevelTrainer
+from amp_patch.cli.trainer import CpuPeak, LevelTrainer
 from amp_patch.distributed import close_process_group
+from amp_patch.dtypes import HALF_DTYPE_NAMES
 
 __all__ = ["JobSpec", "LevelRecord", "LevelPool", "measure", "split_steps", "median_step_seconds"]
 
@@ -227,7 +228,8 @@ class _Level:
         model, optimizer, self.batch_fn, loss_fn = models.build(factory, device, spec.batch_size,
                                                                 spec.seed)
         self.trainer = LevelTrainer(level, model, optimizer, loss_fn, device,
-                                    HALF_DTYPES[spec.half_dtype], sample=self.memory.cpu.sample,
+                                    HALF_DTYPE_NAMES[spec.half_dtype],
+                                    sample=self.memory.cpu.sample,
                                     strategy=spec.strategy)
         self.cached = [self._batch(i) for i in range(spec.cycle_batches)]
         torch.manual_seed(spec.seed)  # what the model's own randomness (dropout) draws from
@@ -316,7 +318,7 @@ def _serve_rank(conn, level: str, spec: JobSpec) -> None:
         if lead:
             conn.send(("ready", run.facts()))
         while True:
-            order = [conn.recv() if lead else None]
+            order: list[Any] = [conn.recv() if lead else None]
             dist.broadcast_object_list(order, src=0)
             cmd, n = order[0]
             if cmd == "stop":

@@ -15,16 +15,18 @@ import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import amp_patch as amp
+from amp_patch import levels
 from amp_patch.cli import ranks
+from amp_patch.dtypes import HALF_DTYPE_NAMES
 
 __all__ = ["LEVELS", "AMP_LEVELS", "HALF_DTYPES", "LevelTrainer", "CpuPeak"]
 
-#: Every level, in the order tools run and report them.
-LEVELS = ("O0", "O1", "O2", "O3", "autocast")
-#: The levels that go through :func:`amp_patch.initialize`.
-AMP_LEVELS = ("O0", "O1", "O2", "O3")
-#: Command-line names of the half types.
-HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: The levels that go through :func:`amp_patch.initialize` (the registry's names).
+AMP_LEVELS = levels.NAMES
+#: Every level, in the order tools run and report them: amp's, then torch.autocast.
+LEVELS = (*AMP_LEVELS, "autocast")
+#: Command-line names of the half types (:data:`amp_patch.dtypes.HALF_DTYPE_NAMES`).
+HALF_DTYPES = HALF_DTYPE_NAMES
 
 
 class LevelTrainer:
@@ -75,7 +77,7 @@ class LevelTrainer:
         self.half_dtype = half_dtype
         self.loss_fn = loss_fn
         self._sample = sample or (lambda: None)
-        self._grad_scaler = None
+        self._grad_scaler: torch.amp.GradScaler | None = None
         if strategy == "fsdp2":
             ranks.shard(model, optimizer)  # amp supports this order: shard, then initialize
         if level in AMP_LEVELS:
@@ -166,7 +168,7 @@ class CpuPeak:
 
     def __init__(self) -> None:
         self.baseline = _anon_rss_bytes()
-        self.peak = self.baseline
+        self.peak: int = self.baseline or 0
 
     def sample(self) -> None:
         """Record the current anonymous resident memory if it is a new peak."""

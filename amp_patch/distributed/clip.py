@@ -9,10 +9,9 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops, session as _session
-from amp_patch.distributed.fsdp import local_tensor
 from amp_patch.handle import master_params
 from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
-from amp_patch.scaler import group_by_device_and_dtype
+from amp_patch.tensors import group_by_device_and_dtype, local_tensor
 
 __all__ = ["clip_grad_norm_"]
 

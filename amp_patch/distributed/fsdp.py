@@ -46,16 +46,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.model import kept_fp32
+from amp_patch.tensors import local_tensor, local_tensors  # re-exported: public here
 
 if TYPE_CHECKING:
-    from amp_patch.session import AmpSession
+    from amp_patch.optim import OptimizerRecord
+    from amp_patch.properties import Properties
 
 __all__ = ["ShardingPlan", "prepare", "local_tensor", "local_tensors", "is_sharded", "fsdp_states",
            "install_order_guard", "SUPPORTED_ORDER"]
@@ -65,49 +67,6 @@ logger = logging.getLogger("amp_patch")
 #: The order of calls amp supports with FSDP2, for error messages.
 SUPPORTED_ORDER = ("fully_shard(model) first, then the optimizer over model.parameters(), then "
                    "amp_patch.initialize(model, optimizer, ...)")
-
-_PLAIN = (Tensor, nn.Parameter)
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (FSDP2's parameters and grads); any other tensor itself.
-
-    The fused ops work on plain tensors, and every rank unscales, checks and
-    clips its own shard; what must agree across ranks is combined by one
-    collective afterwards.
-
-    Args:
-        t (Tensor): a tensor, or a :class:`~torch.distributed.tensor.DTensor`.
-
-    Returns:
-        Tensor: ``t._local_tensor`` for a DTensor (a view that writes through), else ``t``.
-
-    Example::
-
-        >>> local_tensor(sharded_param.grad).shape  # this rank's rows
-        torch.Size([8, 16])
-    """
-    return local_tensors([t])[0]
-
-
-def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
-    """:func:`local_tensor` of each; ``tensors`` itself while no DTensor can exist.
-
-    Args:
-        tensors (list of Tensor): any tensors.
-
-    Returns:
-        list of Tensor: the local shards of the DTensors among them, the others as they are.
-    """
-    # No DTensor exists until its module is imported (which costs most of a second), and
-    # the fused ops' callers pass every grad of every iteration through here.
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None:
-        return tensors
-    dtensor = module.DTensor
-    return [t._local_tensor if type(t) not in _PLAIN and isinstance(t, dtensor) else t
-            for t in tensors]
-
 
 def is_sharded(model: nn.Module) -> bool:
     """True when ``fully_shard`` was applied to ``model`` or one of its submodules."""
@@ -194,16 +153,19 @@ class ShardingPlan:
                             del fsdp_param._unsharded_param
 
 
-def prepare(session: "AmpSession") -> ShardingPlan | None:
-    """Fit the FSDP2 states of the session's models to its opt level (see the module's text).
+def prepare(props: Properties, models: list[nn.Module],
+            on_close: Callable[..., None]) -> ShardingPlan | None:
+    """Fit the FSDP2 states of the models to the opt level (see the module's text).
 
     Everything is checked before anything changes. The undo (the policies
-    given to ``fully_shard`` back) is registered with ``session.on_close``
+    given to ``fully_shard`` back) is registered with ``on_close``
     before the model is cast, so that it runs after a failed initialize has
     put the model's dtypes back, and FSDP then takes those shards again.
 
     Args:
-        session (AmpSession): the session being built.
+        props (Properties): the session's settings.
+        models (list of torch.nn.Module): the models passed to initialize.
+        on_close (callable): ``on_close(what, undo)`` registers an undo with the session.
 
     Returns:
         ShardingPlan or None: None when no model is sharded.
@@ -221,10 +183,9 @@ def prepare(session: "AmpSession") -> ShardingPlan | None:
         >>> model._get_fsdp_state()._mp_policy.param_dtype
         torch.bfloat16
     """
-    states = fsdp_states(session.models)
+    states = fsdp_states(models)
     if not states:
         return None
-    props = session.props
     half = props.cast_model_type if props.cast_model_type in HALF_DTYPES else None
     keep = bool(props.keep_batchnorm_fp32) and half is not None
     policies = []
@@ -244,12 +205,13 @@ def prepare(session: "AmpSession") -> ShardingPlan | None:
         cast = props.cast_model_type if props.casts_model and not kept_only else None
         policies.append(_policy(state, want, want or cast or _own_dtype(state), props.opt_level))
     plan = ShardingPlan(states, policies)
-    session.on_close("FSDP mixed-precision policies", plan.restore)
+    on_close("FSDP mixed-precision policies", plan.restore)
     plan.apply()
     return plan
 
 
-def install_order_guard(session: "AmpSession") -> None:
+def install_order_guard(models: list[nn.Module], records: Iterable[OptimizerRecord],
+                        on_close: Callable[..., None]) -> None:
     """On each model's first forward, raise if an optimizer steps parameters the model lost.
 
     That happens when ``fully_shard`` (or anything else that replaces
@@ -259,17 +221,19 @@ def install_order_guard(session: "AmpSession") -> None:
     parameters); the hook removes itself when it passes.
 
     Args:
-        session (AmpSession): the session being built.
+        models (list of torch.nn.Module): the models passed to initialize.
+        records (iterable of OptimizerRecord): the records of the session's optimizers.
+        on_close (callable): ``on_close(what, undo)`` registers an undo with the session.
     """
-    held = {id(record.model_param(p)) for record in session.optimizer_records.values()
-            for p in record.stepped_params()}
-    for index, model in enumerate(session.models):
+    held = {id(record.model_param(p)) for record in records for p in record.stepped_params()}
+    for index, model in enumerate(models):
         mine = {id(p) for p in model.parameters()} & held
         if mine:
-            _guard(session, model, index, mine)
+            _guard(on_close, model, index, mine)
 
 
-def _guard(session: "AmpSession", model: nn.Module, index: int, expected: set[int]) -> None:
+def _guard(on_close: Callable[..., None], model: nn.Module, index: int,
+           expected: set[int]) -> None:
     handle = None
 
     def check(module, args):
@@ -287,7 +251,7 @@ def _guard(session: "AmpSession", model: nn.Module, index: int, expected: set[in
     # First, before FSDP's own pre-forward (also prepended, at fully_shard) registers the
     # unsharded parameters on the modules, when fully_shard came before initialize.
     handle = model.register_forward_pre_hook(check, prepend=True)
-    session.on_close("first-forward order guard", handle.remove)
+    on_close("first-forward order guard", handle.remove)
 
 
 def _policy(state, want: torch.dtype | None, compute: torch.dtype | None, level: str):

@@ -37,13 +37,13 @@ re-gather got.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from amp_patch.session import AmpSession
+    from amp_patch.patching.state import CastState
 
 __all__ = ["install", "unsharded_params"]
 
@@ -67,26 +67,26 @@ def unsharded_params(state) -> Iterator[nn.Parameter]:
                 yield param
 
 
-def install(session: "AmpSession", states: list) -> int:
+def install(casts: "CastState | None", states: list, on_close: Callable[..., None]) -> int:
     """Make each FSDP module's forward drop the O1 cache's casts of its group's parameters.
 
-    Does nothing without O1's weight-cast cache (``session.casts`` is None) or
+    Does nothing without O1's weight-cast cache (``casts`` is None) or
     without FSDP states. The hooks are removed at :func:`amp_patch.deinitialize`.
 
     Args:
-        session (AmpSession): the session being built, with its O1 patches installed.
+        casts (CastState or None): O1's state (the session's ``casts``), patches installed.
         states (list): the FSDP states of the session's models
             (:func:`amp_patch.distributed.fsdp.fsdp_states`).
+        on_close (callable): the session's ``on_close(what, undo)``; the hooks are removed there.
 
     Returns:
         int: the number of hooks registered.
 
     Example::
 
-        >>> install(session, fsdp_states(session.models))  # at O1 on an FSDP2 model
+        >>> install(session.casts, fsdp_states(session.models), session.on_close)  # O1, FSDP2
         8
     """
-    casts = session.casts
     if casts is None or not states:
         return 0
     cache = casts.cache
@@ -99,5 +99,5 @@ def install(session: "AmpSession", states: list) -> int:
         for module in state._modules:
             handles.append(module.register_forward_pre_hook(drop))
             handles.append(module.register_forward_hook(drop, always_call=True))
-    session.on_close("the O1 cache's FSDP2 hooks", lambda: [h.remove() for h in handles])
+    on_close("the O1 cache's FSDP2 hooks", lambda: [h.remove() for h in handles])
     return len(handles)

@@ -34,7 +34,7 @@ keeps its current (half) values.
 
 import torch
 
-from amp_patch.apex_compat.larc import LARC
+from amp_patch.optim.larc import LARC
 from amp_patch.optim.masters import MasterWeights
 from amp_patch.optim.record import OptimizerRecord, process
 

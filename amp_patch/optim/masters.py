@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from amp_patch import ops
 from amp_patch.dtypes import HALF_DTYPES
-from amp_patch.scaler import group_by_device_and_dtype
+from amp_patch.tensors import group_by_device_and_dtype
 
 __all__ = ["MasterWeights", "clear_grads", "match_state_to_params"]
 
@@ -32,10 +32,11 @@ class MasterWeights:
 
     Example::
 
+        >>> optimizer = torch.optim.SGD(model.bfloat16().parameters(), lr=0.1)
         >>> masters = MasterWeights()
         >>> masters.attach(optimizer.param_groups[0], optimizer.state)
-        >>> [(p.dtype, m.dtype) for p, m in masters.pairs(amp.master_params(optimizer))]
-        [(torch.bfloat16, torch.float32), ...]
+        >>> [(p.dtype, m.dtype) for p, m in masters.pairs(optimizer.param_groups[0]["params"])][0]
+        (torch.bfloat16, torch.float32)
     """
 
     def __init__(self) -> None:
@@ -245,7 +246,8 @@ def clear_grads(params: Iterable[Tensor], set_to_none: bool) -> None:
 
 
 def match_state_to_params(optimizer: torch.optim.Optimizer, params: Iterable[Tensor]) -> None:
-    """Cast the optimizer state of ``params`` to their dtypes, as ``Optimizer.load_state_dict`` would.
+    """Cast the optimizer state of ``params`` to their dtypes, as
+    ``Optimizer.load_state_dict`` would.
 
     A model cast by initialize (or one that a previous session left half)
     would otherwise meet state made for its old dtype, which torch's

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 import torch
 from torch import Tensor
 
-from amp_patch.distributed.fsdp import local_tensor
 from amp_patch.optim.checkpoints import install_optimizer_hooks
 from amp_patch.optim.masters import MasterWeights, match_state_to_params
 from amp_patch.optim.stepping import STEP_INPUTS, PatchedMethods
 from amp_patch.optimizers import FusedStepInputs
 from amp_patch.scaler import unscale_grads
+from amp_patch.tensors import local_tensor
 
 if TYPE_CHECKING:
     from amp_patch.scaler import LossScaler, _DeviceTensors
@@ -137,7 +137,8 @@ class OptimizerRecord:
         return self.masters.pairs(self.stepped_params())
 
     def sync_masters_from_model(self) -> None:
-        """Refresh masters whose half param was written from outside (see :meth:`MasterWeights.sync_from_model`)."""
+        """Refresh masters whose half param was written from outside
+        (see :meth:`MasterWeights.sync_from_model`)."""
         self.masters.sync_from_model(self.stepped_params())
 
     def _pairs(self) -> list[tuple[Tensor, Tensor]]:
@@ -345,7 +346,8 @@ class OptimizerRecord:
         self._methods.install()
 
     def restore(self) -> None:
-        """Undo :meth:`install`: original methods back, hooks removed, model params back in ``param_groups``.
+        """Undo :meth:`install`: original methods back, hooks removed, model params back in
+        ``param_groups``.
 
         The optimizer state of each master moves to its model parameter, cast
         to that parameter's dtype except ``step`` counters. Values are not
@@ -410,7 +412,9 @@ def process(optimizer: torch.optim.Optimizer, master_weights: bool,
 
     Example::
 
-        >>> record = process(optimizer, True, session.on_close, amp.disable_casts)
+        >>> undos = []
+        >>> on_close = lambda what, undo, abort=None: undos.append(undo)  # the session's on_close
+        >>> record = process(optimizer, True, on_close, amp.disable_casts)
         >>> all(p.dtype == torch.float32 for p in record.stepped_params())
         True
     """

@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 import wrapt
 from torch import Tensor
 
-from amp_patch.apex_compat.larc import LARC
+from amp_patch.optim.larc import LARC
 from amp_patch.optim.masters import clear_grads
 
 if TYPE_CHECKING:
-    from amp_patch.optim.record import OptimizerRecord
+    from amp_patch.optim.masters import MasterWeights
+    from amp_patch.optimizers import FusedStepInputs
 
-__all__ = ["PatchedMethods", "STEP_INPUTS"]
+__all__ = ["PatchedMethods", "StepRecord", "STEP_INPUTS"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -43,11 +44,36 @@ _MISSING = object()
 _POSITIONS = {"closure": 0, "set_to_none": 0, "param_group": 0}
 
 
+class StepRecord(Protocol):
+    """What :class:`PatchedMethods` reads and writes of its optimizer's record.
+
+    :class:`amp_patch.optim.OptimizerRecord` is the one implementation; the
+    methods name only this much of it, so that the record (which installs
+    them) and the methods do not import each other.
+    """
+
+    active: bool
+    masters: MasterWeights
+    master_weights: bool
+    skip_next_step: bool
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    def optimizer_or_none(self) -> torch.optim.Optimizer | None: ...
+    def stepped_params(self) -> Iterator[Tensor]: ...
+    def master_pairs(self) -> list[tuple[Tensor, Tensor]]: ...
+    def step_inputs(self) -> FusedStepInputs | None: ...
+    def drop_deferred(self) -> None: ...
+    def forget_stashed_grads(self) -> None: ...
+    def note_zeroed_grads(self) -> None: ...
+
+
 class PatchedMethods:
     """amp's ``step``, ``zero_grad`` and ``add_param_group`` on one optimizer instance.
 
     Args:
-        record (OptimizerRecord): the record whose flags and masters the methods use.
+        record (StepRecord): the record whose flags and masters the methods use
+            (an :class:`~amp_patch.optim.OptimizerRecord`).
         step_context (callable): returns the context manager ``step()`` runs in
             (O1's casts are disabled there).
 
@@ -60,7 +86,7 @@ class PatchedMethods:
         grads, still scaled (the one-pass O2 step).
     """
 
-    def __init__(self, record: "OptimizerRecord", step_context: Callable[[], ContextManager]) -> None:
+    def __init__(self, record: StepRecord, step_context: Callable[[], ContextManager]) -> None:
         self._record = record
         self._step_context = step_context
         self._saved: dict[str, Any] = {}
@@ -100,8 +126,8 @@ class PatchedMethods:
         if name not in self._saved:  # never patched (install failed before it)
             return
         now = opt.__dict__.get(name, _MISSING)
-        if not (isinstance(now, types.MethodType) and isinstance(now.__func__, wrapt.FunctionWrapper)
-                and now.__self__ is opt):
+        if not (isinstance(now, types.MethodType)
+                and isinstance(now.__func__, wrapt.FunctionWrapper) and now.__self__ is opt):
             # Something (a scheduler made after initialize) wrapped ours; it
             # stays, and our wrapper passes calls straight through (inactive record).
             return

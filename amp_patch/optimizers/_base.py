@@ -73,7 +73,8 @@ class FusedStepInputs:
 
 @dataclasses.dataclass
 class _Batch:
-    """One op call's lists: the params as keyed in ``state``, the tensors stepped, grads, outputs."""
+    """One op call's lists: the params as keyed in ``state``, the tensors stepped, grads,
+    outputs."""
 
     device: torch.device
     keys: list[Tensor] = dataclasses.field(default_factory=list)
@@ -131,6 +132,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         Example::
 
+            >>> from amp_patch.optimizers import FusedSGD
             >>> opt = FusedSGD(model.parameters(), lr=0.1)   # set_grad_none=False, as in Apex
             >>> opt.zero_grad()                  # grads zeroed
             >>> opt.zero_grad(set_to_none=True)  # grads set to None

@@ -95,6 +95,8 @@ class FusedAdam(FusedOptimizer):
 
         Example::
 
+            >>> opt = FusedAdam(model.parameters(), lr=1e-3)
+            >>> head = nn.Linear(2, 2)
             >>> opt.add_param_group({"params": head.parameters(), "lr": 1e-4})
         """
         super().add_param_group(param_group)

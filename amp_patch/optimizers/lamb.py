@@ -166,7 +166,7 @@ class FusedMixedPrecisionLamb(_LambBase):
         >>> model = model.bfloat16()
         >>> opt = FusedMixedPrecisionLamb(model.parameters(), lr=1e-3,
         ...                               reduced_precision_dtype=torch.bfloat16)
-        >>> loss_fn(model(x), y).backward()
+        >>> loss_fn(model(x.bfloat16()).float(), y).backward()
         >>> opt.step()    # fp32 masters stepped, bf16 params rewritten
     """
 
@@ -199,6 +199,8 @@ class FusedMixedPrecisionLamb(_LambBase):
 
         Example::
 
+            >>> opt = FusedMixedPrecisionLamb(model.parameters(), lr=1e-3)
+            >>> head = nn.Linear(2, 2)
             >>> opt.add_param_group({"params": head.parameters(), "lr": 1e-4})
             >>> opt.param_groups[-1]["lr"]
             tensor(1.0000e-04)

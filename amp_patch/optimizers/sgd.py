@@ -57,7 +57,8 @@ class FusedSGD(FusedOptimizer):
         >>> opt.step()
     """
 
-    def __init__(self, params: Any, lr: float = required, momentum: float = 0.0,
+    # lr is a float, or torch's ``required`` marker when it is not given.
+    def __init__(self, params: Any, lr: Any = required, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
                  set_grad_none: bool = False) -> None:

@@ -1,7 +1,7 @@
 """O1: casting wrappers on torch functions and Tensor methods.
 
-:func:`install` is what :func:`amp_patch.initialize` calls at O1. It gives the
-session its :class:`~amp_patch.patching.state.CastState` (``session.casts``)
+:func:`install` is what :func:`amp_patch.initialize` calls at O1. It makes
+the session's :class:`~amp_patch.patching.state.CastState` (``session.casts``)
 and patches every spelling of every listed op (:func:`spellings`: ``torch``,
 ``torch.nn.functional``, ``torch.Tensor``, ``torch.special``,
 ``torch.linalg``, the RNN kernels in ``torch._VF``) and the registered user
@@ -14,15 +14,17 @@ wrapper on the attribute it names, and is consumed (see
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from amp_patch.patching import rnn
+from amp_patch.patching.derive import Spelling, spellings
 from amp_patch.patching.dynamo import RULES as _DYNAMO_RULES
 from amp_patch.patching.patcher import Patcher
 from amp_patch.patching.registry import REGISTRY
-from amp_patch.patching.derive import Spelling, spellings
-from amp_patch.patching.state import CastState, active, disable_casts
+from amp_patch.patching.state import CastState, active, disable_casts, set_active
 from amp_patch.patching.wrappers import Policy, make_wrapper
 
 __all__ = ["install", "spellings", "Spelling", "CastState", "disable_casts"]
@@ -30,33 +32,40 @@ __all__ = ["install", "spellings", "Spelling", "CastState", "disable_casts"]
 logger = logging.getLogger("amp_patch")
 
 
-def install(session, *, allow_banned: bool = False, enable_caching: bool = True) -> Patcher:
-    """Patch torch for O1 and register the undo with the session.
+def install(half_dtype: torch.dtype, models: list[nn.Module], on_close: Callable[..., None], *,
+            allow_banned: bool = False, enable_caching: bool = True) -> CastState:
+    """Patch torch for O1 and register the undo with ``on_close``.
 
-    Sets ``session.casts`` to a new :class:`CastState` with the session's
-    ``half_dtype``. The undo ("O1 patches") is registered before the first
-    patch, so a failure part-way still leaves torch unpatched after
-    :func:`amp_patch.deinitialize`; it also clears the cache and resets
-    ``session.casts`` to None.
+    Makes a new :class:`CastState` for ``half_dtype``, the :func:`active` one
+    until the undo runs. The undo ("O1 patches") is registered before the
+    first patch, so a failure part-way still leaves torch unpatched after
+    :func:`amp_patch.deinitialize`; it also clears the cache and makes no
+    state active.
 
     Args:
-        session (AmpSession): the session being built.
+        half_dtype (torch.dtype): what the half list casts to.
+        models (list of torch.nn.Module): the session's models (each forward
+            without grad starts with fresh casts).
+        on_close (callable): ``on_close(what, undo)`` registers an undo with the session.
         allow_banned (bool, optional): run banned functions in fp32 instead
             of raising. Default: False.
         enable_caching (bool, optional): use the weight-cast cache. Default: True.
 
     Returns:
-        Patcher: the records of the installed patches.
+        CastState: the state the wrappers read; its ``patches`` records the installed patches.
 
     Example::
 
-        >>> session = AmpSession(Properties.from_opt_level("O1", torch.bfloat16), [], [])
-        >>> install(session)
-        >>> session.casts.half_dtype
+        >>> undos = []
+        >>> state = install(torch.bfloat16, [], lambda what, undo: undos.append(undo))
+        >>> torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
         torch.bfloat16
+        >>> for undo in reversed(undos):  # what the session's close does
+        ...     _ = undo()
+        >>> torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype
+        torch.float32
     """
-    state = CastState(session.props.half_dtype, allow_banned=allow_banned,
-                      enable_caching=enable_caching)
+    state = CastState(half_dtype, allow_banned=allow_banned, enable_caching=enable_caching)
     patcher = Patcher()
     state.patches = patcher
     dynamo_rules = None  # dynamo's maps once the patches are in (see patching/dynamo.py)
@@ -66,11 +75,12 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
             patcher.undo_all()
         finally:
             state.cache.clear()
-            session.casts = None
+            if active() is state:
+                set_active(None)
             _DYNAMO_RULES.drop_if_rebuilt(dynamo_rules)
 
-    session.casts = state
-    session.on_close("O1 patches", undo)
+    set_active(state)
+    on_close("O1 patches", undo)
 
     # scale_loss ends a training iteration and clears the cache; an evaluation
     # loop never calls it, and an edit through ``param.data`` (swapping in EMA
@@ -80,8 +90,12 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
         if not torch.is_grad_enabled():
             state.cache.drop_no_grad_entries()
 
-    hooks = [model.register_forward_pre_hook(fresh_eval_casts) for model in session.models]
-    session.on_close("O1 cache hooks", lambda: [h.remove() for h in hooks])
+    hooks = [model.register_forward_pre_hook(fresh_eval_casts) for model in models]
+    def remove_hooks() -> None:
+        for hook in hooks:
+            hook.remove()
+
+    on_close("O1 cache hooks", remove_hooks)
 
     def wrap(policy: Policy, qualname: str, message: str | None):
         return lambda original: make_wrapper(policy, original, state, qualname, message)
@@ -97,11 +111,13 @@ def install(session, *, allow_banned: bool = False, enable_caching: bool = True)
     rnn.allow_half_inputs(patcher, state)
     for entry in REGISTRY.consume():
         owner = getattr(entry.target, "__name__", type(entry.target).__name__)
-        if not patcher.patch(entry.target, entry.name, wrap(entry.policy, f"{owner}.{entry.name}", None)):
-            logger.warning("amp_patch: registered %s.%s no longer exists; not patched", owner, entry.name)
+        wrapper = wrap(entry.policy, f"{owner}.{entry.name}", None)
+        if not patcher.patch(entry.target, entry.name, wrapper):
+            logger.warning("amp_patch: registered %s.%s no longer exists; not patched",
+                           owner, entry.name)
     # torch.compile must keep knowing the functions O1 wraps (see patching/dynamo.py).
     dynamo_rules = _DYNAMO_RULES.snapshot(patcher)
     _DYNAMO_RULES.watch_import(lambda: getattr(active(), "patches", None))
     logger.debug("amp_patch O1: %d functions and methods patched (half dtype %s)",
                  len(patcher), state.half_dtype)
-    return patcher
+    return state

@@ -114,7 +114,7 @@ def aliases() -> dict[str, frozenset[str]]:
         return n
 
     known = namespaces()
-    for prefix, target in known.items():
+    for target in known.values():
         for name, value in _members(target).items():
             doc = getattr(value, "__doc__", None)
             if not isinstance(doc, str) or "Alias" not in doc:
@@ -182,8 +182,13 @@ def spellings() -> tuple[Spelling, ...]:
 
     Example::
 
-        >>> [s.qualname for s in spellings() if s.op == "softmax"]
-        ['torch.softmax', 'torch.nn.functional.softmax', 'torch.Tensor.softmax', 'torch.special.softmax']
+        >>> for s in spellings():
+        ...     if s.op == "softmax":
+        ...         print(s.qualname)
+        torch.softmax
+        torch.nn.functional.softmax
+        torch.Tensor.softmax
+        torch.special.softmax
     """
     vf = rnn.vf_module()
     targets = {**namespaces(), "torch._VF": vf}

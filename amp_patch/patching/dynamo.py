@@ -51,7 +51,7 @@ class DynamoRules:
         self._watching = False
 
     @staticmethod
-    def _builders() -> list[Callable[[], Any]]:
+    def _builders() -> list[Any]:  # functools.lru_cache-wrapped functions of dynamo
         rules = sys.modules.get(_TRACE_RULES)
         if rules is None:
             return []

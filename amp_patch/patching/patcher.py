@@ -39,9 +39,14 @@ class Patcher:
     Example::
 
         >>> patcher = Patcher()
-        >>> patcher.patch(torch, "mm", lambda original: my_wrapper(original))
+        >>> original_mm = torch.mm
+        >>> patcher.patch(torch, "mm", lambda original: lambda *args: original(*args) * 2)
         True
-        >>> patcher.undo_all()    # torch.mm is the original object again
+        >>> torch.mm(torch.ones(1, 1), torch.ones(1, 1))
+        tensor([[2.]])
+        >>> patcher.undo_all()
+        >>> torch.mm is original_mm
+        True
     """
 
     def __init__(self) -> None:
@@ -89,8 +94,12 @@ class Patcher:
 
         Example::
 
+            >>> patcher = Patcher()
+            >>> patcher.patch(torch, "mm", lambda original: lambda *args: original(*args))
+            True
             >>> with patcher.showing_originals():
             ...     assert torch.mm is torch._C._VariableFunctions.mm
+            >>> patcher.undo_all()
         """
         installed = [vars(r.parent)[r.name] for r in self.records]
         for record in reversed(self.records):

@@ -78,7 +78,8 @@ def _decorator(policy: Policy) -> Callable[[Callable], Callable]:
 
 
 half_function = _decorator(Policy.HALF)
-half_function.__doc__ = """Decorate a function so that, under O1, its floating tensor args are cast to ``half_dtype``.
+half_function.__doc__ = """Decorate a function so that, under O1, its floating tensor args are cast
+to ``half_dtype``.
 
 Tensors nested in lists, tuples and dicts are cast too; fp32 leaves that
 require grad go through the weight cache. Outside an O1 session (and inside
@@ -98,7 +99,8 @@ Example::
 """
 
 float_function = _decorator(Policy.FP32)
-float_function.__doc__ = """Decorate a function so that, under O1, its floating tensor args are cast to fp32.
+float_function.__doc__ = """Decorate a function so that, under O1, its floating tensor args are cast
+to fp32.
 
 Tensors nested in lists, tuples and dicts are cast too. Outside an O1
 session the function runs untouched.
@@ -117,7 +119,8 @@ Example::
 """
 
 promote_function = _decorator(Policy.PROMOTE)
-promote_function.__doc__ = """Decorate a function so that, under O1, mixed floating args are cast to the widest.
+promote_function.__doc__ = """Decorate a function so that, under O1, mixed floating args are cast to
+the widest.
 
 fp32 is wider than fp16 and bf16; fp16 with bf16 gives fp32. Args of a
 single floating dtype are left alone. Outside an O1 session the function
@@ -138,7 +141,8 @@ Example::
 
 
 def register_half_function(module: Any, name: str) -> None:
-    """Register ``module.<name>`` to be patched with the half policy by the next :func:`~amp_patch.initialize`.
+    """Register ``module.<name>`` to be patched with the half policy by the next
+    :func:`~amp_patch.initialize`.
 
     The next O1 :func:`~amp_patch.initialize` patches it and forgets the
     registration; on a name an O1 list also patches, it replaces the list's
@@ -153,6 +157,8 @@ def register_half_function(module: Any, name: str) -> None:
 
     Example::
 
+        >>> import types
+        >>> my_ext = types.SimpleNamespace(gemm=torch.mm)   # a user's extension module
         >>> amp.register_half_function(my_ext, "gemm")
         >>> model, opt = amp.initialize(model, opt, opt_level="O1")
     """
@@ -160,7 +166,8 @@ def register_half_function(module: Any, name: str) -> None:
 
 
 def register_float_function(module: Any, name: str) -> None:
-    """Register ``module.<name>`` to be patched with the fp32 policy by the next :func:`~amp_patch.initialize`.
+    """Register ``module.<name>`` to be patched with the fp32 policy by the next
+    :func:`~amp_patch.initialize`.
 
     The next O1 :func:`~amp_patch.initialize` patches it and forgets the
     registration; on a name an O1 list also patches, it replaces the list's
@@ -181,7 +188,8 @@ def register_float_function(module: Any, name: str) -> None:
 
 
 def register_promote_function(module: Any, name: str) -> None:
-    """Register ``module.<name>`` to be patched with the promote policy by the next :func:`~amp_patch.initialize`.
+    """Register ``module.<name>`` to be patched with the promote policy by the next
+    :func:`~amp_patch.initialize`.
 
     The next O1 :func:`~amp_patch.initialize` patches it and forgets the
     registration; on a name an O1 list also patches, it replaces the list's

@@ -1,18 +1,26 @@
-"""The O1 casting state of a session, and :func:`disable_casts`."""
+"""The O1 casting state of a session, and :func:`disable_casts`.
+
+:func:`amp_patch.patching.install` makes the live session's
+:class:`CastState` the active one (:func:`active`) and registers the undo
+that forgets it when the session closes; this module never looks the session
+up.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from amp_patch import session as _session
 from amp_patch.dtypes import check_half_dtype
 from amp_patch.patching.cache import WeightCastCache
 
-__all__ = ["CastState", "disable_casts", "active"]
+if TYPE_CHECKING:
+    from amp_patch.patching.patcher import Patcher
+
+__all__ = ["CastState", "disable_casts", "active", "set_active"]
 
 
 class CastState:
@@ -50,7 +58,7 @@ class CastState:
         self._paused = 0
         self._pause_lock = threading.Lock()
         self.cache = WeightCastCache(enabled=enable_caching)
-        self.patches = None
+        self.patches: Patcher | None = None
 
     def __repr__(self) -> str:
         return (f"CastState(half_dtype={self.half_dtype}, enabled={self.enabled}, "
@@ -62,6 +70,7 @@ class CastState:
 
         Example::
 
+            >>> state = CastState(torch.bfloat16)
             >>> with state.paused():
             ...     assert not state.enabled
         """
@@ -76,10 +85,27 @@ class CastState:
                 self.enabled = self._paused == 0
 
 
+#: The live session's state while its O1 patches are installed (see set_active).
+_active: CastState | None = None
+
+
 def active() -> CastState | None:
     """The live session's :class:`CastState` when O1 patching is installed, else None."""
-    live = _session.current()
-    return None if live is None else live.casts
+    return _active
+
+
+def set_active(state: CastState | None) -> None:
+    """Make ``state`` the one :func:`active` returns; None when the session's patches go.
+
+    Only :func:`amp_patch.patching.install` and its undo call it.
+
+    Raises:
+        RuntimeError: if another state is active (two sessions never patch at once).
+    """
+    global _active
+    if state is not None and _active is not None and _active is not state:
+        raise RuntimeError("amp_patch: another session's O1 patches are still installed")
+    _active = state
 
 
 @contextlib.contextmanager
@@ -97,8 +123,11 @@ def disable_casts() -> Iterator[None]:
 
     Example::
 
+        >>> model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16)
+        >>> a = b = torch.ones(2, 2)
         >>> with amp.disable_casts():
-        ...     y = torch.mm(a, b)   # no cast: runs in the inputs' dtypes
+        ...     torch.mm(a, b).dtype   # no cast: runs in the inputs' dtypes
+        torch.float32
     """
     state = active()
     if state is None:

@@ -96,7 +96,8 @@ def native_available() -> bool:
 
 
 def _collect(obj: Any, found: set) -> None:
-    """Add the castable floating dtypes in ``obj`` (tensors, nested lists/tuples/dicts) to ``found``."""
+    """Add the castable floating dtypes in ``obj`` (tensors, nested lists/tuples/dicts) to
+    ``found``."""
     if isinstance(obj, _Tensor):
         if obj.dtype in CASTABLE_DTYPES:
             found.add(obj.dtype)
@@ -217,7 +218,8 @@ def _inputs(kwargs: dict) -> list:
 
 
 def _cast_args(args: tuple, kwargs: dict, dtype: torch.dtype, cache) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` (but ``out``) with their castable floating tensors cast to ``dtype``."""
+    """``args`` and ``kwargs`` (but ``out``) with their castable floating tensors cast to
+    ``dtype``."""
     items = _cast_items(args, dtype, cache)
     if items is not None:
         args = tuple(items)
@@ -388,6 +390,8 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
 
     Example::
 
+        >>> from amp_patch.patching.state import CastState
+        >>> state = CastState(torch.bfloat16)
         >>> wrapper = make_wrapper(Policy.FP32, torch.exp, state, "torch.exp")
         >>> wrapper(torch.ones(2, dtype=torch.bfloat16)).dtype
         torch.float32

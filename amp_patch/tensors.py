@@ -1,0 +1,109 @@
+"""Leaf helpers over lists of tensors: DTensor local shards, and grouping by (device, dtype).
+
+Every fused op call takes plain tensors of one device. The helpers here turn
+what the callers hold (model grads, FSDP2's DTensor parameters, masters) into
+such lists. They import nothing from amp_patch, so every layer may use them:
+the scaler, the optimizer machinery, FSDP preparation and gradient clipping.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["GroupKey", "local_tensor", "local_tensors", "group_by_device_and_dtype"]
+
+#: The key of one group: the device and dtype of its tensors.
+GroupKey = tuple[torch.device, torch.dtype]
+
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2's parameters and grads); any other tensor itself.
+
+    The fused ops work on plain tensors, and every rank unscales, checks and
+    clips its own shard; what must agree across ranks is combined by one
+    collective afterwards.
+
+    Args:
+        t (Tensor): a tensor, or a :class:`~torch.distributed.tensor.DTensor`.
+
+    Returns:
+        Tensor: ``t._local_tensor`` for a DTensor (a view that writes through), else ``t``.
+
+    Example::
+
+        >>> t = torch.ones(3)
+        >>> local_tensor(t) is t
+        True
+    """
+    return local_tensors([t])[0]
+
+
+def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
+    """:func:`local_tensor` of each; ``tensors`` itself while no DTensor can exist.
+
+    Args:
+        tensors (list of Tensor): any tensors.
+
+    Returns:
+        list of Tensor: the local shards of the DTensors among them, the others as they are.
+    """
+    # No DTensor exists until its module is imported (which costs most of a second), and
+    # the fused ops' callers pass every grad of every iteration through here.
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return tensors
+    dtensor = module.DTensor
+    return [t._local_tensor if type(t) not in _PLAIN and isinstance(t, dtensor) else t
+            for t in tensors]
+
+
+def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[list[Tensor], ...]]:
+    """Split parallel lists of tensors by the (device, dtype) of the first list's tensors.
+
+    Each fused op call takes tensors of one device. The ops do not need the
+    split by dtype (they take lists that mix dtypes and run each tensor with
+    its dtype's kernel); with it, each call gets one dtype, and a caller that
+    reduces per group (a norm) combines one result per (device, dtype). The
+    lists are kept parallel: element ``i`` of every list lands in the same
+    group, in the original order.
+    A DTensor (FSDP2's sharded params and grads) lands as its local shard
+    (:func:`local_tensors`): each rank works on its own.
+
+    Args:
+        *lists (sequence of Tensor): lists of equal length; the first decides the groups.
+
+    Returns:
+        dict: ``(device, dtype)`` to a tuple with one list per input list.
+
+    Raises:
+        ValueError: if the lists differ in length.
+
+    Example::
+
+        >>> a = [torch.ones(2), torch.ones(2, dtype=torch.bfloat16), torch.zeros(3)]
+        >>> b = [torch.zeros(2), torch.zeros(2), torch.zeros(3)]
+        >>> groups = group_by_device_and_dtype(a, b)
+        >>> [(dtype, len(src)) for (_, dtype), (src, dst) in groups.items()]
+        [(torch.float32, 2), (torch.bfloat16, 1)]
+    """
+    if not lists:
+        return {}
+    lists = tuple(local_tensors(list(lst)) for lst in lists)
+    n = len(lists[0])
+    if any(len(lst) != n for lst in lists):
+        raise ValueError("group_by_device_and_dtype: the lists must have equal lengths")
+    groups: dict[GroupKey, tuple[list[Tensor], ...]] = {}
+    for i, key_tensor in enumerate(lists[0]):
+        key = (key_tensor.device, key_tensor.dtype)
+        bucket = groups.get(key)
+        if bucket is None:
+            bucket = groups[key] = tuple([] for _ in lists)
+        for out, lst in zip(bucket, lists):
+            out.append(lst[i])
+    return groups

@@ -1,0 +1,130 @@
+"""The docstring examples of amp_patch, run as doctests by ``make test`` (plain ``pytest``).
+
+Plain ``pytest`` collects the examples of every module under amp_patch/
+(pyproject's testpaths name it), as ``pytest --doctest-modules amp_patch``
+would, without turning doctest collection on for tests/.
+
+Every example sees ``torch``, ``nn``, ``F``, ``amp`` (and ``amp_patch``), ``ops``,
+a fresh small ``model`` (4 features in, 2 out) with its SGD ``optimizer`` (also
+``opt``), a batch ``x``, ``y`` and a ``loss_fn``, and runs with no live amp
+session before or after it. The tests under tests/ have their own conftest.py;
+nothing here applies to them.
+
+:data:`NOT_RUN` names the examples that cannot run on their own, each with the
+reason: they need a GPU, a process group, the ``apex`` import hook of
+``amp-patch run``, files, or the training script they are a fragment of.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _pytest.doctest import DoctestItem, DoctestModule
+from torch import nn
+from torch.nn import functional as F
+
+import amp_patch
+from amp_patch import ops
+
+_APEX = "imports apex: it runs under `amp-patch run`, which maps the apex imports"
+_APEX_SCRIPT = "a fragment of an Apex-era training script: its tensors come from the script"
+_SCRIPT = "a fragment of a training script: its grads, masters and loss come from the script"
+
+#: Docstring examples that are not run, by doctest name (a name ending in "." covers a
+#: module), with the reason.
+NOT_RUN: dict[str, str] = {
+    "amp_patch.apex_compat.amp_state.AmpState": _APEX,
+    "amp_patch.apex_compat.amp_state.LossScalerView": _APEX,
+    "amp_patch.apex_compat.amp_state.OptPropertiesView": _APEX,
+    "amp_patch.apex_compat.optimizers_2019.FusedAdam": _APEX,
+    "amp_patch.apex_compat.amp_C.multi_tensor_axpby": _APEX_SCRIPT,
+    "amp_patch.apex_compat.amp_C.multi_tensor_l2norm": _APEX_SCRIPT,
+    "amp_patch.apex_compat.amp_C.multi_tensor_scale": _APEX_SCRIPT,
+    "amp_patch.apex_compat.amp_C.multi_tensor_unscale_l2norm": _APEX_SCRIPT,
+    "amp_patch.apex_compat.amp_C.update_scale_hysteresis": _APEX_SCRIPT,
+    "amp_patch.apex_compat.fp16_optimizer.DynamicLossScaler": _APEX_SCRIPT,
+    "amp_patch.apex_compat.fp16_optimizer.FP16_Optimizer": _APEX_SCRIPT,
+    "amp_patch.apex_compat.fp16_optimizer.LossScaler": _APEX_SCRIPT,
+    "amp_patch.apex_compat.fp16_utils.master_params_to_model_params": _APEX_SCRIPT,
+    "amp_patch.apex_compat.fp16_utils.model_grads_to_master_grads": _APEX_SCRIPT,
+    "amp_patch.apex_compat.multi_tensor_apply.MultiTensorApply": _APEX_SCRIPT,
+    "amp_patch.apex_compat.optimizers_2019.FP16_Optimizer": _APEX_SCRIPT,
+    "amp_patch.apex_compat.optimizers_2019.FP16_Optimizer.backward": _APEX_SCRIPT,
+    "amp_patch.apex_compat.optimizers_2019.FP16_Optimizer.cur_scale": _APEX_SCRIPT,
+    "amp_patch.apex_compat.optimizers_2019.FP16_Optimizer.step": _APEX_SCRIPT,
+    "amp_patch.apex_compat.optimizers_2019.FusedAdam2019": _APEX_SCRIPT,
+    "amp_patch.apex_compat.optimizers_2019.FusedAdam2019.step": _APEX_SCRIPT,
+    "amp_patch.apex_compat.parallel.create_syncbn_process_group": "needs a process group",
+    "amp_patch.cli.cuda_on_cpu.": "CUDA calls mapped to the CPU: runs inside `amp-patch run`",
+    "amp_patch.cli.run.run_script": "runs a script file",
+    "amp_patch.cli.compare.results.run_compare": (
+        "trains every level in its own process for minutes (tests/test_cli_compare.py runs it)"),
+    "amp_patch.cli.machine.LoadMonitor": "the share depends on the machine's load",
+    "amp_patch.cli.options.parse_device": "needs two GPUs",
+    "amp_patch.cli.ranks.launch": "spawns processes, which need an importable entry function",
+    "amp_patch.cli.ranks.shard": "needs an initialized process group",
+    "amp_patch.cli.trainer.LevelTrainer": "needs a workload of amp_patch.cli.models",
+    "amp_patch.cpu_half.CpuHalfSupport": "the answer depends on the host's CPU",
+    "amp_patch.distributed.checkpoint.": "writes and reads a checkpoint under torch.distributed",
+    "amp_patch.distributed.clip.clip_grad_norm_": _SCRIPT,
+    "amp_patch.distributed.fsdp.prepare": "needs a process group and fully_shard",
+    "amp_patch.distributed.teardown.": "needs a process group",
+    "amp_patch.ops.multi_tensor_adam_": _SCRIPT,
+    "amp_patch.ops.multi_tensor_adagrad_": _SCRIPT,
+    "amp_patch.ops.multi_tensor_novograd_": _SCRIPT,
+    "amp_patch.ops.multi_tensor_lamb_stage1_": _SCRIPT,
+    "amp_patch.ops.multi_tensor_lamb_stage2_": _SCRIPT,
+    "amp_patch.optim.checkpoints.install_optimizer_hooks": _SCRIPT,
+    "amp_patch.optim.masters.clear_grads": _SCRIPT,
+    "amp_patch.optimizers._base.FusedOptimizer.load_state_dict": "reads a checkpoint file",
+    "amp_patch.optimizers._base.FusedOptimizer.fused_step_inputs": _SCRIPT,
+    "amp_patch.optimizers._base.FusedStepInputs": _SCRIPT,
+    "amp_patch.patching.cache.WeightCastCache": "a fragment: `linear` is a model's nn.Linear",
+    "amp_patch.scaler.LossScaler.snapshot": _SCRIPT,
+    "amp_patch.scaler.unscale_grads": _SCRIPT,
+}
+
+
+_PACKAGE = Path(__file__).resolve().parent / "amp_patch"
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    """The examples of a module under amp_patch/ (pytest's own plugin does it under
+    ``--doctest-modules``; ``__main__.py`` is never imported)."""
+    if (file_path.suffix == ".py" and _PACKAGE in file_path.parents
+            and file_path.name != "__main__.py" and not parent.config.option.doctestmodules):
+        return DoctestModule.from_parent(parent, path=file_path)
+    return None
+
+
+def _reason(name: str) -> str | None:
+    for key, reason in NOT_RUN.items():
+        if name == key or (key.endswith(".") and name.startswith(key)):
+            return reason
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if isinstance(item, DoctestItem):
+            reason = _reason(item.name)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=f"docstring example not run: {reason}"))
+
+
+@pytest.fixture(autouse=True)
+def _docstring_example_globals(request: pytest.FixtureRequest, doctest_namespace: dict):
+    if not isinstance(request.node, DoctestItem):
+        yield
+        return
+    amp_patch.deinitialize()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    doctest_namespace.update(torch=torch, nn=nn, F=F, amp=amp_patch, amp_patch=amp_patch,
+                             ops=ops, model=model, optimizer=optimizer, opt=optimizer,
+                             x=torch.randn(3, 4), y=torch.randn(3, 2), loss_fn=nn.MSELoss())
+    yield
+    amp_patch.deinitialize()
