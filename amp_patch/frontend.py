@@ -18,10 +18,12 @@ from amp_patch import (
     optim as _optim,
     session as _session,
 )
-from amp_patch.distributed import agree as _agree
-from amp_patch.distributed import debug as _debug
-from amp_patch.distributed import fsdp as _fsdp
-from amp_patch.distributed import regather as _regather
+from amp_patch.distributed import (
+    agree as _agree,
+    debug as _debug,
+    fsdp as _fsdp,
+    regather as _regather,
+)
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.patching import install as _install_patches
