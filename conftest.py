@@ -30,6 +30,7 @@ from amp_patch import ops
 
 _APEX = "imports apex: it runs under `amp-patch run`, which maps the apex imports"
 _APEX_SCRIPT = "a fragment of an Apex-era training script: its tensors come from the script"
+_LINEAR = "a fragment: `linear` is a model's nn.Linear"
 _SCRIPT = "a fragment of a training script: its grads, masters and loss come from the script"
 
 #: Docstring examples that are not run, by doctest name (a name ending in "." covers a
@@ -81,7 +82,11 @@ NOT_RUN: dict[str, str] = {
     "amp_patch.optimizers._base.FusedOptimizer.load_state_dict": "reads a checkpoint file",
     "amp_patch.optimizers._base.FusedOptimizer.fused_step_inputs": _SCRIPT,
     "amp_patch.optimizers._base.FusedStepInputs": _SCRIPT,
-    "amp_patch.patching.cache.WeightCastCache": "a fragment: `linear` is a model's nn.Linear",
+    "amp_patch.patching.cache.WeightCastCache": _LINEAR,
+    "amp_patch.patching.cache.WeightCastCache.forget": _LINEAR,
+    "amp_patch.distributed.debug.RankCheck": "needs an initialized process group",
+    "amp_patch.distributed.debug.install": "needs an initialized process group",
+    "amp_patch.distributed.regather.install": "needs an FSDP2 model at O1 in a process group",
     "amp_patch.scaler.LossScaler.snapshot": _SCRIPT,
     "amp_patch.scaler.unscale_grads": _SCRIPT,
 }

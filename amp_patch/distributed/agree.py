@@ -71,8 +71,10 @@ def agree_max(values: Sequence[float]) -> list[float]:
 
     Example::
 
-        >>> agree_max([rank == 1, 0.5])   # on 2 ranks
+        >>> agree_max([True, 0.5])   # one process: its own verdicts
         [1.0, 0.5]
+
+        On two ranks, ``agree_max([rank == 1])`` gives ``[1.0]`` on both.
     """
     if not group_active():
         return [float(v) for v in values]
@@ -92,8 +94,10 @@ def agree_min(values: Sequence[float]) -> list[float]:
 
     Example::
 
-        >>> agree_min([rank != 1])   # on 2 ranks
-        [0.0]
+        >>> agree_min([True, 0.5])   # one process: its own verdicts
+        [1.0, 0.5]
+
+        On two ranks, ``agree_min([rank != 1])`` gives ``[0.0]`` on both.
     """
     if not group_active():
         return [float(v) for v in values]
