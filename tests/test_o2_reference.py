@@ -9,9 +9,7 @@ import pytest
 import torch
 
 import amp_patch as amp
-from amp_patch.cli import models
-
-TINY_LM = models.LMConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=16, batch_size=4)
+from training_utils import tiny_lm
 
 
 @pytest.mark.parametrize("make_opt", [
@@ -19,7 +17,7 @@ TINY_LM = models.LMConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=1
     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
 ], ids=["adamw", "sgd"])
 def test_o2_bf16_matches_hand_written_master_weights(make_opt):
-    model, _, batch_fn, loss_fn = models.lm(config=TINY_LM)
+    model, batch_fn, loss_fn = tiny_lm(batch=4)
     ref_model = copy.deepcopy(model).bfloat16()
     # Masters come from the half model, as amp (and Apex) make them after the cast.
     masters = [p.detach().float().requires_grad_(True) for p in ref_model.parameters()]

@@ -1,6 +1,6 @@
 """Performance regression guards that cannot flake: they count, they do not time.
 
-On the built-in transformer LM (shrunk), one training iteration at O1 and O2
+On a small transformer LM (tests/training_utils.TinyLM), one training iteration at O1 and O2
 with dynamic loss scaling makes exactly one host sync (the scaler's skip
 decision), the fast path makes none, and O1 casts each weight at most once per
 iteration per dtype however many ops use it.
@@ -14,14 +14,11 @@ from torch import nn
 
 import amp_patch as amp
 from amp_patch import session as amp_session
-from amp_patch.cli import models
-from training_utils import count_host_syncs
-
-TINY_LM = models.LMConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=16, batch_size=2)
+from training_utils import count_host_syncs, tiny_lm
 
 
 def _lm():
-    model, _, batch_fn, loss_fn = models.lm(config=TINY_LM)
+    model, batch_fn, loss_fn = tiny_lm(batch=2)
     # SGD: AdamW's single-tensor path reads its step counters with .item(), which
     # would be counted here although it is the optimizer's, not amp's.
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), batch_fn, loss_fn
@@ -59,10 +56,13 @@ def test_o1_casts_each_weight_once_per_iteration(half_dtype):
     model, opt, batch_fn, loss_fn = _lm()
     amp.initialize(model, opt, opt_level="O1", half_dtype=half_dtype, verbosity=0)
     cache = amp_session.current().casts.cache
-    # The half ops of this model are its Linear layers (attention and MLP projections,
-    # the output head); embeddings and LayerNorm keep their fp32 weights uncast.
+    # The half ops of this model are its Linear layers (attention output and MLP
+    # projections, the output head) and the attention's packed input projection;
+    # embeddings and LayerNorm keep their fp32 weights uncast.
     linear_params = sum(1 for m in model.modules() if isinstance(m, nn.Linear)
                         for _ in m.parameters())
+    linear_params += sum(1 for m in model.modules() if isinstance(m, nn.MultiheadAttention)
+                         for p in (m.in_proj_weight, m.in_proj_bias) if p is not None)
     for step in range(3):
         before = cache.casts
         _iteration(model, opt, batch_fn(step), loss_fn)

@@ -26,6 +26,50 @@ def convnet(seed: int = 0) -> nn.Module:
     )
 
 
+class TinyLM(nn.Module):
+    """A causal transformer language model small enough for unit tests (torch's own layers).
+
+    The library's tests use it where a model with attention, layer norms and an
+    embedding matters; the CLI's workloads (amp_patch.cli.models) stay the CLI's.
+    """
+
+    def __init__(self, vocab: int = 64, d_model: int = 32, n_heads: int = 4, n_layers: int = 2,
+                 seq_len: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        # A bool mask: it suits every dtype the attention may run in.
+        self.register_buffer("future", torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        x = self.blocks(x, mask=self.future[:t, :t], is_causal=True)
+        return self.head(self.norm(x))
+
+
+def tiny_lm(seed: int = 0, vocab: int = 64, seq_len: int = 16, batch: int = 4):
+    """``(model, batch_fn, loss_fn)``: a :class:`TinyLM` and seeded token batches."""
+    torch.manual_seed(seed)
+    model = TinyLM(vocab=vocab, seq_len=seq_len)
+
+    def batch_fn(step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * seed + step)
+        return torch.randint(vocab, (batch, seq_len + 1), generator=g)
+
+    def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+
+    return model, batch_fn, loss_fn
+
+
 def mlp_batch(step: int, batch: int = 16, d_in: int = 8, d_out: int = 4):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(batch, d_in, generator=g)
