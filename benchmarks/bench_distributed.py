@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import amp_patch as amp
+from amp_patch import levels
 from amp_patch.cli import models, ranks
 from amp_patch.cli.machine import cpu_count
 from amp_patch.distributed import close_process_group
@@ -48,7 +49,7 @@ from common import machine, markdown_table, write_section  # noqa: E402
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "distributed.md"
 LMS = {"compare": models.COMPARE_LM, "bench": models.BENCH_LM}
-LEVELS = ("O0", "O1", "O2", "O3")
+LEVELS = levels.NAMES
 MODES = ("ddp", "fsdp")
 WORLDS = (1, 2, 4)
 MiB = 2**20

@@ -18,13 +18,14 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch as amp
+from amp_patch import levels
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--levels", nargs="+", default=["O0", "O1", "O2", "O3"])
+    parser.add_argument("--levels", nargs="+", default=list(levels.NAMES))
     args = parser.parse_args()
 
     for level in args.levels:

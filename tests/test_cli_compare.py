@@ -19,6 +19,7 @@ import torch
 
 from rich.console import Console
 
+from amp_patch import levels
 from amp_patch.cli import compare, machine, ranks, rounds
 from amp_patch.cli.compare import command
 from amp_patch.cli.compare import results as compare_results
@@ -44,7 +45,7 @@ def test_compare_all_levels_json_png_table(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((out / "results.json").read_text())
     assert data["config"]["half_dtype"] == "bf16" and data["config"]["steps"] == 5
-    assert list(data["levels"]) == ["O0", "O1", "O2", "O3", "autocast"]
+    assert list(data["levels"]) == [*levels.NAMES, "autocast"]
     o0 = data["levels"]["O0"]
     for level, r in data["levels"].items():
         assert r["ok"] and r["error"] is None, level
