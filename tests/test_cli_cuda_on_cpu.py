@@ -131,6 +131,45 @@ def test_devices_tensors_and_modules_map_to_cpu():
         assert x.type() == "torch.FloatTensor"
 
 
+def test_device_constructor_maps_cuda_and_stays_the_device_type(tmp_path):
+    import copyreg
+    import io
+    import pickle
+    import typing
+
+    real = torch.device
+    with CudaOnCpu(torch.bfloat16):
+        for dev in (torch.device(0), torch.device("cuda"), torch.device("cuda", 0),
+                    torch.device(type="cuda", index=0), torch.device("cuda:1"),
+                    torch.device(real("cuda", 1)), torch.device("cuda", index=2)):
+            assert type(dev) is real and dev == CPU
+        assert torch.device("meta") == real("meta") and torch.device("cpu", 0) == real("cpu", 0)
+        with pytest.raises(RuntimeError):
+            torch.device("no-such-device")
+        assert isinstance(torch.device("cuda"), torch.device)
+        assert isinstance(torch.zeros(1).device, torch.device)
+        assert not isinstance("cuda", torch.device)
+        assert issubclass(real, torch.device)
+
+        def f(x: torch.device | None = None) -> torch.device:
+            return x
+
+        assert typing.get_type_hints(f)["return"] is torch.device
+        with torch.device("cuda"):
+            assert torch.zeros(1).device == CPU
+        torch.cuda.set_device("cuda:1")
+        assert torch.cuda.current_device() == 1
+        assert torch.zeros(1).to(torch.device("cuda")).device == CPU
+        # A device pickles as torch's: the stream reads back where nothing is installed.
+        blob = pickle.dumps({"d": torch.device("meta")})
+        buf = io.BytesIO()
+        torch.save({"d": torch.device("cuda")}, buf)
+    assert torch.device is real and real not in copyreg.dispatch_table
+    assert pickle.loads(blob) == {"d": real("meta")}
+    buf.seek(0)
+    assert torch.load(buf) == {"d": CPU}
+
+
 def test_torch_cuda_queries_streams_and_events():
     with CudaOnCpu(torch.bfloat16) as mapping:
         assert torch.cuda.is_available() and torch.cuda.is_initialized()

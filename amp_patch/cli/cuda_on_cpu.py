@@ -17,6 +17,7 @@ object. A CUDA function the mapping has no CPU meaning for raises
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 import importlib
 import inspect
@@ -36,6 +37,7 @@ __all__ = ["CudaOnCpu", "CudaNotMappedError", "CpuStream", "CpuEvent", "MAPPED"]
 logger = logging.getLogger("amp_patch")
 
 _CPU = torch.device("cpu")
+_REAL_DEVICE = torch.device  # torch's own class, whatever torch.device is while installed
 
 #: What the mapping does, as (CUDA call, what it becomes on the CPU): the start-up message
 #: and the docs say this. ``{half}`` is the run's half dtype.
@@ -45,6 +47,9 @@ MAPPED = (
     ("'cuda', 'cuda:N', torch.device('cuda'), an int device",
      "'cpu' in .to(), new_*(), every factory's device=, torch.load(map_location=), "
      "set_default_device()"),
+    ("torch.device(0), torch.device('cuda'), torch.device('cuda', 0), "
+     "torch.device(type='cuda', index=0)",
+     "torch.device('cpu'); isinstance(x, torch.device) holds for every device"),
     ("torch.cuda.is_available(), device_count(), current_device(), set_device(), device()",
      "True, 1, the index last set: every CUDA index is the CPU"),
     ("torch.cuda.synchronize(), Stream, current_stream(), default_stream(), stream(), Event, "
@@ -109,12 +114,66 @@ def _cpu_if_cuda(device: Any) -> Any:
         return _CPU if device.type == "cuda" else device
     if isinstance(device, str):
         try:
-            return _CPU if torch.device(device).type == "cuda" else device
+            return _CPU if _REAL_DEVICE(device).type == "cuda" else device
         except RuntimeError:
             return device  # not a device name: torch's own error says so
     if isinstance(device, int) and not isinstance(device, bool):
         return _CPU  # a bare index means a CUDA device
     return device
+
+
+class _DeviceMeta(type):
+    """The metaclass of :class:`_CpuDevice`: ``isinstance``/``issubclass`` ask torch's own class."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_DEVICE)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return sub is cls or issubclass(sub, _REAL_DEVICE)
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(_REAL_DEVICE, name)  # torch.device.type and other class attributes
+
+
+class _CpuDevice(metaclass=_DeviceMeta):
+    """Stands in for the ``torch.device`` constructor: CUDA devices are made on the CPU.
+
+    ``torch.device`` is a C type that cannot be subclassed. Calling this class
+    returns a real :class:`torch.device` (so C code, ``==`` and hashing see
+    torch's own objects), with every CUDA device, and a bare index, replaced by
+    the CPU; ``isinstance(x, torch.device)`` and ``issubclass`` are answered by
+    torch's class, and ``torch.device`` keeps working in annotations,
+    ``X | None`` and ``with torch.device(...)`` blocks.
+
+    Example::
+
+        >>> torch.device(0), torch.device("cuda", 0), torch.device(type="cuda", index=0)
+        (device(type='cpu'), device(type='cpu'), device(type='cpu'))
+        >>> isinstance(torch.device("meta"), torch.device)
+        True
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> torch.device:  # type: ignore[misc]
+        device = _REAL_DEVICE(*args, **kwargs) if not _is_bare_index(args, kwargs) else _CPU
+        return _CPU if device.type == "cuda" else device
+
+
+def _is_bare_index(args: tuple, kwargs: dict) -> bool:
+    """``torch.device(0)``: an int alone means the current accelerator, which CPU torch lacks."""
+    value = args[0] if len(args) == 1 and not kwargs else None
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_CpuDevice.__name__ = _CpuDevice.__qualname__ = "device"
+_CpuDevice.__module__ = "torch"
+
+
+def _reduce_device(device: torch.device) -> tuple:
+    # A device pickles as a reference to ``torch.device``; pickle checks that the name finds the
+    # very class, which is the stand-in while it is installed. The stream is unchanged: it
+    # still reads back as torch's device wherever amp_patch is absent.
+    return (torch.device, (device.type, device.index) if device.index is not None
+            else (device.type,))
 
 
 def _map_device_kwarg(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -272,7 +331,7 @@ def _index(device: Any) -> int | None:
         return device if device >= 0 else None
     if isinstance(device, torch.Tensor):
         return None  # a CPU tensor has no CUDA index (device_of)
-    device = torch.device(device)
+    device = _REAL_DEVICE(device)
     return device.index if device.type == "cuda" and device.index is not None else None
 
 
@@ -308,11 +367,12 @@ class CudaOnCpu:
         self.default_stream = CpuStream()
         self._streams = [self.default_stream]
         self._patcher = Patcher()
+        self._pickles_devices = False
         self.targets: list[tuple[Any, str]] = []
 
     @property
     def installed(self) -> bool:
-        return len(self._patcher) > 0
+        return len(self._patcher) > 0 or self._pickles_devices
 
     def __enter__(self) -> "CudaOnCpu":
         self.install()
@@ -350,12 +410,18 @@ class CudaOnCpu:
             self._patch_parallel()
             self._patch_amp_patch()
         except BaseException:
-            self._patcher.undo_all()
+            self.uninstall()
             raise
 
     def uninstall(self) -> None:
         """Restore every patched attribute (a no-op when not installed)."""
-        self._patcher.undo_all()
+        try:
+            self._patcher.undo_all()
+        finally:
+            if self._pickles_devices:
+                if copyreg.dispatch_table.get(_REAL_DEVICE) is _reduce_device:
+                    del copyreg.dispatch_table[_REAL_DEVICE]
+                self._pickles_devices = False
 
     def _patch(self, parent: Any, name: str, make: Callable[[Any], Any]) -> None:
         if self._patcher.patch(parent, name, make):
@@ -385,6 +451,10 @@ class CudaOnCpu:
         self._set(torch.Tensor, "pin_memory", lambda self_, device=None: self_)
 
     def _patch_devices(self) -> None:
+        self._set(torch, "device", _CpuDevice)
+        if _REAL_DEVICE not in copyreg.dispatch_table:
+            copyreg.dispatch_table[_REAL_DEVICE] = _reduce_device
+            self._pickles_devices = True
         self._patch(torch.Tensor, "to", _map_tensor_to)
         for name in _TENSOR_DEVICE_METHODS:
             self._patch(torch.Tensor, name, _map_device_kwarg)
