@@ -61,7 +61,10 @@ MAPPED = (
      "'gloo', CPU DDP without device_ids, the module itself"),
     ("torch.cuda.manual_seed*(), seed*(), get/set_rng_state*()",
      "the CPU generator, which draws every random number"),
-    ("torch.cuda.empty_cache(), ipc_collect(), torch.cuda.nvtx ranges", "nothing to do"),
+    ("torch.cuda.empty_cache(), ipc_collect(), torch.cuda.nvtx ranges, "
+     "torch.cuda.cudart().cudaProfilerStart()/Stop(), torch.cuda.profiler", "nothing to do"),
+    ("torch.cuda.get_device_capability()",
+     "(0, 0): no CUDA architecture, so GPU-only kernels gated on it (flash-attn) stay off"),
 )
 
 #: Legacy CUDA tensor types and the CPU types they become (HalfTensor follows the half dtype).
@@ -141,7 +144,8 @@ class _CpuDevice(metaclass=_DeviceMeta):
     ``torch.device`` is a C type that cannot be subclassed. Calling this class
     returns a real :class:`torch.device` (so C code, ``==`` and hashing see
     torch's own objects), with every CUDA device, and a bare index, replaced by
-    the CPU; ``isinstance(x, torch.device)`` and ``issubclass`` are answered by
+    the CPU (so the index is not kept: ``torch.cuda.set_device(torch.device("cuda", 1))``
+    leaves ``current_device()`` as it was, where ``set_device(1)`` or ``"cuda:1"`` sets it); ``isinstance(x, torch.device)`` and ``issubclass`` are answered by
     torch's class, and ``torch.device`` keeps working in annotations,
     ``X | None`` and ``with torch.device(...)`` blocks.
 
@@ -291,6 +295,28 @@ class CpuStream:
 
     def synchronize(self) -> None:
         pass
+
+
+class _CpuCudart:
+    """``torch.cuda.cudart()`` on the CPU: the profiler range calls succeed with nothing to do.
+
+    Apex's ImageNet example brackets ``--prof`` iterations with
+    ``torch.cuda.cudart().cudaProfilerStart()`` and ``cudaProfilerStop()``;
+    each returns 0 (``cudaSuccess``) here, so ``torch.cuda.check_error`` and
+    ``torch.cuda.profiler.start()`` pass.
+    """
+
+    def cudaProfilerStart(self) -> int:  # noqa: N802 - the CUDA runtime's name
+        return 0
+
+    def cudaProfilerStop(self) -> int:  # noqa: N802 - the CUDA runtime's name
+        return 0
+
+
+def check_error(res: int) -> None:
+    """``torch.cuda.check_error`` for :class:`_CpuCudart`'s results: 0 is success."""
+    if res != 0:
+        raise RuntimeError(f"CUDA runtime call failed with error {res}")
 
 
 class _StreamContext:
@@ -461,6 +487,7 @@ class CudaOnCpu:
         for name in _factory_names():
             self._patch(torch, name, _map_device_kwarg)
         self._patch(torch, "load", _map_load)
+        self._patch(torch, "get_device_module", _map_get_device_module)
         self._patch(torch, "set_default_device", lambda original: functools.wraps(original)(
             lambda device: original(_cpu_if_cuda(device))))
 
@@ -481,6 +508,7 @@ class CudaOnCpu:
             for state in list(states)[:1]:
                 set_state(state)
 
+        cudart = _CpuCudart()
         mapped: dict[str, Any] = {
             "is_available": lambda: True,
             "is_initialized": lambda: True,
@@ -512,6 +540,8 @@ class CudaOnCpu:
             "StreamContext": lambda stream: _StreamContext(self, stream),
             "device": lambda device: _DeviceContext(self, device),
             "device_of": lambda obj: _DeviceContext(self, obj),
+            "cudart": lambda: cudart,
+            "get_device_capability": lambda device=None: (0, 0),
         }
         own = {n: getattr(cuda, n) for n in dir(cuda) if not n.startswith("_") and n not in mapped
                and (getattr(getattr(cuda, n), "__module__", "") or "").startswith("torch.cuda")}
@@ -525,6 +555,11 @@ class CudaOnCpu:
                 # CUDAGraph, graph, ExternalStream, MemPool, the storage types, ...;
                 # exception types stay, so that `except torch.cuda.OutOfMemoryError` still works.
                 self._set(cuda, n, _refusing_class(f"torch.cuda.{n}", value))
+        # torch.cuda.profiler took its own references at import.
+        profiler = importlib.import_module("torch.cuda.profiler")
+        self._set(profiler, "cudart", lambda: cudart)
+        self._set(profiler, "check_error", check_error)
+        self._set(cuda, "check_error", check_error)
         nvtx = cuda.nvtx
         self._set(nvtx, "range_push", lambda msg: 0)
         self._set(nvtx, "range_pop", lambda: 0)
@@ -649,6 +684,18 @@ def _map_load(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(f, map_location, *args, **kwargs)
 
     return load
+
+
+def _map_get_device_module(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_device_module(device: Any = None) -> Any:
+        # torch.device("cuda") is the CPU now, but torch.cuda (mapped) is still the module
+        # torch's own code wants for "cuda" (torch.random.fork_rng, say).
+        if isinstance(device, str) and device.split(":", 1)[0] == "cuda":
+            return torch.cuda
+        return original(device)
+
+    return get_device_module
 
 
 def _map_init_process_group(original: Callable[..., None]) -> Callable[..., None]:
