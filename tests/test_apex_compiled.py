@@ -17,7 +17,7 @@ from torch import nn
 from amp_patch.apex_compat import apex_C, fused_adam_cuda, import_hook
 from amp_patch.apex_compat.contrib import optimizers as contrib
 from amp_patch.apex_compat.contrib.xentropy import SoftmaxCrossEntropyLoss
-from tests.conftest import DEVICES
+from conftest import DEVICES
 
 
 @pytest.fixture
