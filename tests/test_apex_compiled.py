@@ -1,4 +1,4 @@
-"""Apex's compiled top-level modules and ``apex.contrib``: served with Apex's math, or refused loudly.
+"""Apex's compiled top-level modules and ``apex.contrib``: served with Apex's math, or refused.
 
 ``fused_adam_cuda`` is checked bit for bit against a NumPy transcription of
 Apex's kernel (IEEE fp32/fp64 scalar arithmetic, one rounding per operation),
@@ -232,7 +232,7 @@ def _train(model, optimizer, steps, start=0, overflow_at=()):
 
 
 class ScriptsOwnFusedAdam(torch.optim.Optimizer):
-    """A script's own copy of Apex's FusedAdam (as OpenNMT-py ships), calling ``fused_adam_cuda``."""
+    """A script's own copy of Apex's FusedAdam (as OpenNMT-py ships) calling fused_adam_cuda."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
         import fused_adam_cuda as module  # served by the hook
@@ -245,7 +245,8 @@ class ScriptsOwnFusedAdam(torch.optim.Optimizer):
             for p, g, out in zip(group["params"], group_grads, outs):
                 state = self.state[p]
                 if not state:
-                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                    state.update(step=0, exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
                 state["step"] += 1
                 self.module.adam(p.data, out, state["exp_avg"], state["exp_avg_sq"], g,
                                  group["lr"], *group["betas"], group["eps"], scale,

@@ -90,8 +90,8 @@ def _check(p: Tensor, m: Tensor, v: Tensor, g: Tensor, p_copy: Tensor | None) ->
     n = p.numel()
     for name, t in (("m", m), ("v", v), ("g", g)):
         if t.numel() != n:
-            raise RuntimeError(f"fused_adam_cuda: number of elements in {name} and p tensors should "
-                               "be equal")
+            raise RuntimeError(f"fused_adam_cuda: number of elements in {name} and p tensors "
+                               "should be equal")
     if p_copy is not None and p_copy.numel() not in (0, n):
         raise RuntimeError("fused_adam_cuda: number of elements in p_copy and p tensors should be "
                            "equal, or p_copy should be empty")
@@ -108,8 +108,8 @@ def _check(p: Tensor, m: Tensor, v: Tensor, g: Tensor, p_copy: Tensor | None) ->
                            "fp32 params)")
     for name, t in (("m", m), ("v", v)):
         if t.dtype != p.dtype:
-            raise RuntimeError(f"fused_adam_cuda: {name} must have the parameter's dtype {p.dtype}, "
-                               f"got {t.dtype}")
+            raise RuntimeError(f"fused_adam_cuda: {name} must have the parameter's dtype "
+                               f"{p.dtype}, got {t.dtype}")
 
 
 def _update(p: Tensor, m: Tensor, v: Tensor, g: Tensor, p_copy: Tensor | None, beta1: float,

@@ -1,4 +1,4 @@
-"""The import hook behind ``amp-patch run``: ``apex`` and Apex's compiled modules, served by amp_patch.
+"""The import hook behind ``amp-patch run``: ``apex`` and Apex's compiled modules, from amp_patch.
 
 A :class:`sys.meta_path` finder answers imports of ``apex``, its supported
 submodules, and the top-level compiled modules Apex's ``setup.py`` installed
@@ -9,8 +9,9 @@ whose attributes come from amp_patch (see :data:`MODULES`). Each served module h
 its ``__all__`` lists them, so ``from apex.fp16_utils import *`` and
 ``'state_dict' in amp.__dict__`` behave as with Apex.
 
-Anything else under ``apex``, and every other compiled module of Apex, fails at import with :class:`ApexUnsupportedError`,
-a subclass of :class:`ImportError` whose message names what is missing, so that
+Anything else under ``apex``, and every other compiled module of Apex, fails
+at import with :class:`ApexUnsupportedError`, a subclass of
+:class:`ImportError` whose message names what is missing, so that
 a script's own ``try: ... except ImportError`` fallbacks keep working. Such a
 miss is never silent: it is logged as a warning naming the name and what to use
 instead, even when the script catches the error, and the finder records it in

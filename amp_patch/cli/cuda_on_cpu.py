@@ -144,10 +144,12 @@ class _CpuDevice(metaclass=_DeviceMeta):
     ``torch.device`` is a C type that cannot be subclassed. Calling this class
     returns a real :class:`torch.device` (so C code, ``==`` and hashing see
     torch's own objects), with every CUDA device, and a bare index, replaced by
-    the CPU (so the index is not kept: ``torch.cuda.set_device(torch.device("cuda", 1))``
-    leaves ``current_device()`` as it was, where ``set_device(1)`` or ``"cuda:1"`` sets it); ``isinstance(x, torch.device)`` and ``issubclass`` are answered by
+    the CPU; ``isinstance(x, torch.device)`` and ``issubclass`` are answered by
     torch's class, and ``torch.device`` keeps working in annotations,
-    ``X | None`` and ``with torch.device(...)`` blocks.
+    ``X | None`` and ``with torch.device(...)`` blocks. The index of a CUDA
+    device made with it is not kept: ``torch.cuda.set_device(torch.device("cuda", 1))``
+    leaves ``current_device()`` as it was, where ``set_device(1)`` or
+    ``set_device("cuda:1")`` sets it.
 
     Example::
 

@@ -270,7 +270,7 @@ def _per_group(values: Any, groups: int) -> list[Any]:
 
 
 class FusedAdam(torch.optim.Optimizer):
-    """Apex's ``apex.contrib.optimizers.FusedAdam`` (the 2019 one), on the served ``fused_adam_cuda``.
+    """Apex's ``apex.contrib.optimizers.FusedAdam`` (the 2019 one), on the served fused_adam_cuda.
 
     Adam with L2 weight decay added to the update, the bias corrections
     folded into the step size, and eps inside or outside the square root,
