@@ -24,6 +24,8 @@ from torch import nn
 
 import amp_patch as amp
 
+pytestmark = pytest.mark.slow  # 6 x 4 trainings of 10 + 5 steps, fp16 on the CPU
+
 EPOCHS, RESTORE = 10, 5
 
 
