@@ -36,11 +36,17 @@ EXT_STAMP := build/.ext-stamp-$(subst /,_,$(PYTHON))
 
 .PHONY: demo test test-fast lint bench check-cuda install clean
 
-$(VENV)/.deps-stamp: requirements-dev.txt requirements-nodeps.txt
+# OpenNMT-py (tests/test_opennmt.py) goes last, with the pinned torch as a constraint so that
+# nothing can replace it; if it cannot be installed, the venv stays as it is and the test skips.
+$(VENV)/.deps-stamp: requirements-dev.txt requirements-nodeps.txt requirements-onmt.txt \
+		requirements-onmt-nodeps.txt
 	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -r requirements-dev.txt
 	$(VENV)/bin/python -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(VENV)/bin/python -m pip install -q -r requirements-onmt.txt -c requirements-dev.txt \
+		&& $(VENV)/bin/python -m pip install -q --no-deps -r requirements-onmt-nodeps.txt \
+		|| echo "make: OpenNMT-py's packages did not install; tests/test_opennmt.py will skip"
 	@touch $@
 
 $(EXT_STAMP): $(ENV_STAMP) $(EXT_SOURCES)

@@ -380,18 +380,26 @@ def test_caught_import_of_unserved_name_still_warns(hook, caplog):
     caplog.set_level(logging.WARNING, logger="amp_patch")
     for _ in range(2):
         try:
-            from apex.contrib.xentropy import SoftmaxCrossEntropyLoss  # noqa: F401
+            from apex.contrib.multihead_attn import SelfMultiheadAttn  # noqa: F401
         except ImportError:
             pass
     try:
         from apex.normalization import MixedFusedLayerNorm  # noqa: F401
     except ImportError:
         pass
+    try:
+        import fused_layer_norm_cuda  # noqa: F401  (one of Apex's compiled modules)
+    except ImportError:
+        pass
     records = [r.getMessage() for r in caplog.records if r.name == "amp_patch"]
-    assert len(records) == 2  # once per name
-    assert records[0].startswith("apex.contrib is not provided by amp_patch; use instead:")
+    assert len(records) == 3  # once per name
+    assert records[0].startswith("apex.contrib.multihead_attn is not provided by amp_patch; use "
+                                 "instead: torch.nn.MultiheadAttention")
     assert "apex.normalization.MixedFusedLayerNorm is not provided" in records[1]
-    assert list(hook.misses) == ["apex.contrib", "apex.normalization.MixedFusedLayerNorm"]
+    assert records[2].startswith("fused_layer_norm_cuda is not provided by amp_patch; use instead: "
+                                 "apex.normalization.FusedLayerNorm")
+    assert list(hook.misses) == ["apex.contrib.multihead_attn",
+                                 "apex.normalization.MixedFusedLayerNorm", "fused_layer_norm_cuda"]
 
 
 def test_unserved_attribute_warns(hook, caplog):

@@ -11,6 +11,7 @@ import torch
 from conftest import DEVICES
 
 import amp_patch
+from amp_patch import ops
 from amp_patch.apex_compat import amp_C
 from amp_patch.apex_compat.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
 
@@ -194,14 +195,16 @@ def _hysteresis_body(device, rng, init_scale, growth_factor, backoff_factor, gro
     run(growth_interval - 1)
     assert scale.item() == init_scale
     # Infs for more than hysteresis iterations: the scale backs off on each
-    # one past the hysteresis. Apex's test took any product below fp32's
-    # smallest normal as zero; here it passes through the denormals, as fp32 does.
+    # one past the hysteresis, and, as Apex's --use_fast_math kernel flushed
+    # denormals, becomes 0 as soon as it would fall below fp32's smallest normal.
     found_inf.fill_(1)
     extra = rng.randint(0, 1000)
     scale_ref = scale.item()
     run(hysteresis + extra)
     for _ in range(1 + extra):
         scale_ref = _fp32(scale_ref * backoff_factor)
+        if scale_ref < torch.finfo(F32).tiny:
+            scale_ref = 0.0
     assert scale.item() == scale_ref
     # No infs for more than growth_interval iterations: the scale grows every
     # growth_interval of them, unless that overflows fp32.
@@ -224,3 +227,22 @@ def test_update_scale_hysteresis_apex_fuzz(device, init_scale):
     for growth_factor, backoff_factor, growth_interval, hysteresis in itertools.product(
             [1.0, 2.0, 4.0], [0.5, 0.25], [10, 100], [10, 100]):
         _hysteresis_body(device, rng, init_scale, growth_factor, backoff_factor, growth_interval, hysteresis)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_scale_hysteresis_flushes_denormal_scales_as_apex(device):
+    """Apex's kernel (--use_fast_math) flushed a backed-off scale below fp32's smallest normal to
+    0; amp_patch's own op keeps IEEE denormals, the amp_C one matches Apex."""
+    tiny = torch.finfo(F32).tiny
+
+    def back_off(update, start):
+        scale = torch.tensor([start], dtype=F32, device=device)
+        growth = torch.zeros(1, dtype=torch.int32, device=device)
+        hyst = torch.ones(1, dtype=torch.int32, device=device)
+        update(scale, growth, hyst, torch.ones(1, dtype=F32, device=device), 2.0, 0.5, 10, 1)
+        return scale.item()
+
+    assert back_off(amp_C.update_scale_hysteresis, 4 * tiny) == 2 * tiny  # still normal
+    assert back_off(amp_C.update_scale_hysteresis, tiny) == 0.0
+    assert back_off(amp_C.update_scale_hysteresis, 2 * tiny) == tiny
+    assert back_off(ops.update_scale_hysteresis, tiny) == tiny / 2  # IEEE: a denormal

@@ -26,7 +26,8 @@ def _namespaces() -> list:
             torch.UntypedStorage, torch.TypedStorage, torch.nn.parallel,
             torch.nn.parallel.DistributedDataParallel,
             importlib.import_module("torch.nn.parallel.data_parallel"), torch.distributed,
-            torch.amp.autocast_mode.autocast, torch.amp.GradScaler, amp_patch]
+            torch.amp.autocast_mode.autocast, torch.amp.GradScaler, amp_patch,
+            importlib.import_module("torch.cuda.profiler")]
 
 
 def _snapshot() -> dict[int, tuple[object, dict]]:
@@ -131,14 +132,68 @@ def test_devices_tensors_and_modules_map_to_cpu():
         assert x.type() == "torch.FloatTensor"
 
 
+def test_device_constructor_maps_cuda_and_stays_the_device_type(tmp_path):
+    import copyreg
+    import io
+    import pickle
+    import typing
+
+    real = torch.device
+    with CudaOnCpu(torch.bfloat16):
+        for dev in (torch.device(0), torch.device("cuda"), torch.device("cuda", 0),
+                    torch.device(type="cuda", index=0), torch.device("cuda:1"),
+                    torch.device(real("cuda", 1)), torch.device("cuda", index=2)):
+            assert type(dev) is real and dev == CPU
+        assert torch.device("meta") == real("meta") and torch.device("cpu", 0) == real("cpu", 0)
+        with pytest.raises(RuntimeError):
+            torch.device("no-such-device")
+        assert isinstance(torch.device("cuda"), torch.device)
+        assert isinstance(torch.zeros(1).device, torch.device)
+        assert not isinstance("cuda", torch.device)
+        assert issubclass(real, torch.device)
+
+        def f(x: torch.device | None = None) -> torch.device:
+            return x
+
+        assert typing.get_type_hints(f)["return"] is torch.device
+        with torch.device("cuda"):
+            assert torch.zeros(1).device == CPU
+        torch.cuda.set_device("cuda:1")
+        assert torch.cuda.current_device() == 1
+        assert torch.zeros(1).to(torch.device("cuda")).device == CPU
+        # A device pickles as torch's: the stream reads back where nothing is installed.
+        blob = pickle.dumps({"d": torch.device("meta")})
+        buf = io.BytesIO()
+        torch.save({"d": torch.device("cuda")}, buf)
+    assert torch.device is real and real not in copyreg.dispatch_table
+    assert pickle.loads(blob) == {"d": real("meta")}
+    buf.seek(0)
+    assert torch.load(buf) == {"d": CPU}
+
+
+def test_profiler_and_capability_queries_of_legacy_trainers():
+    with CudaOnCpu(torch.bfloat16):
+        # Apex's ImageNet example, --prof; OpenNMT-py's flash-attention check.
+        assert torch.cuda.cudart().cudaProfilerStart() == 0
+        assert torch.cuda.cudart().cudaProfilerStop() == 0
+        torch.cuda.profiler.start()
+        torch.cuda.profiler.stop()
+        with torch.cuda.profiler.profile():
+            pass
+        assert torch.cuda.get_device_capability() == (0, 0)
+        assert torch.cuda.get_device_capability(0)[0] < 8
+
+
 def test_torch_cuda_queries_streams_and_events():
     with CudaOnCpu(torch.bfloat16) as mapping:
         assert torch.cuda.is_available() and torch.cuda.is_initialized()
         assert torch.cuda.device_count() == 1 and torch.cuda.current_device() == 0
         torch.cuda.set_device(1)
         assert torch.cuda.current_device() == 1 == mapping.index
-        with torch.cuda.device(torch.device("cuda:3")):
+        with torch.cuda.device("cuda:3"):
             assert torch.cuda.current_device() == 3
+        with torch.cuda.device(torch.device("cuda:2")):  # made on the CPU: the index is gone
+            assert torch.cuda.current_device() == 1
         assert torch.cuda.current_device() == 1
         assert "CPU" in torch.cuda.get_device_name(0)
         torch.cuda.synchronize()
@@ -181,7 +236,7 @@ def test_torch_cuda_queries_streams_and_events():
 @pytest.mark.parametrize("call, name", [
     (lambda: torch.cuda.get_device_properties(0), "torch.cuda.get_device_properties()"),
     (lambda: torch.cuda.memory_allocated(), "torch.cuda.memory_allocated()"),
-    (lambda: torch.cuda.cudart(), "torch.cuda.cudart()"),
+    (lambda: torch.cuda.get_device_properties(), "torch.cuda.get_device_properties()"),
     (lambda: torch.cuda.CUDAGraph(), "torch.cuda.CUDAGraph()"),
     (lambda: torch.cuda.graph(None), "torch.cuda.graph()"),
     (lambda: torch.cuda.ExternalStream(0), "torch.cuda.ExternalStream()"),

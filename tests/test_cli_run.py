@@ -39,7 +39,8 @@ def test_apex_amp_is_amp_patch_api():
 
 
 @pytest.mark.parametrize("stmt, name", [
-    ("import apex.contrib.xentropy", "apex.contrib"),
+    ("import apex.contrib.multihead_attn", "apex.contrib.multihead_attn"),
+    ("import xentropy_cuda", "xentropy_cuda"),
     ("from apex.normalization import MixedFusedLayerNorm",
      "apex.normalization.MixedFusedLayerNorm"),
     ("import apex.transformer", "apex.transformer"),
@@ -58,29 +59,34 @@ def test_run_script_with_argv_and_unsupported_message(tmp_path):
         from apex import amp
         print("argv", sys.argv[1:], "main" if __name__ == "__main__" else __name__)
         print("initialize is amp_patch's:", amp.initialize.__module__)
-        from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+        from apex.contrib.multihead_attn import SelfMultiheadAttn
     """, "--flag", "value")
     assert proc.returncode != 0
     assert "argv ['--flag', 'value'] main" in proc.stdout
     assert "initialize is amp_patch's: amp_patch.frontend" in proc.stdout
-    assert "apex.contrib is not supported by amp_patch" in proc.stderr
+    assert "apex.contrib.multihead_attn is not supported by amp_patch" in proc.stderr
 
 
 def test_run_summarises_names_the_script_fell_back_from(tmp_path):
     proc = _run(tmp_path, """
         try:
-            from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+            from apex.contrib.multihead_attn import SelfMultiheadAttn
         except ImportError:
-            print("WARNING: apex not installed, using the plain loss")
+            print("WARNING: apex not installed, using the plain attention")
+        try:
+            import fused_layer_norm_cuda
+        except ImportError:
+            pass
         from apex.fp16_utils import FP16_Optimizer
         print("served", FP16_Optimizer.__name__)
     """)
     assert proc.returncode == 0, proc.stderr
     assert "WARNING: apex not installed" in proc.stdout and "served FP16_Optimizer" in proc.stdout
-    assert "apex.contrib is not provided by amp_patch" in proc.stderr
+    assert "apex.contrib.multihead_attn is not provided by amp_patch" in proc.stderr
+    assert "fused_layer_norm_cuda is not provided by amp_patch" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "amp-patch run: 1 apex name(s) not served by amp_patch (the script may have run "
-        "without them): apex.contrib")
+        "amp-patch run: 2 apex name(s) not served by amp_patch (the script may have run "
+        "without them): apex.contrib.multihead_attn, fused_layer_norm_cuda")
 
 
 def test_run_propagates_exit_code(tmp_path):

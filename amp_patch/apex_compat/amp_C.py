@@ -201,9 +201,15 @@ def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hyste
                             growth_interval: int, hysteresis: int) -> Tensor:
     """Apex's dynamic loss-scale step with hysteresis, on the device; returns ``current_scale``.
 
-    See :func:`amp_patch.ops.update_scale_hysteresis` for the rules. A scale
-    backed off below fp32's smallest normal number goes through the denormals
-    to zero, as fp32 arithmetic does; Apex's test expected zero at once there.
+    See :func:`amp_patch.ops.update_scale_hysteresis` for the rules. As in
+    Apex, whose kernels were built with ``--use_fast_math`` (denormals flushed
+    to zero), a scale that would fall below fp32's smallest normal number
+    (``torch.finfo(torch.float32).tiny``) becomes 0 at once: Apex's
+    ``test_update_scale_hysteresis`` expects that, and this op's name promises
+    Apex's behaviour. (:func:`amp_patch.ops.update_scale_hysteresis` itself
+    keeps IEEE arithmetic, and goes through the denormals to zero.) The flush
+    applies to the scale this op leaves, so a denormal scale passed in also
+    comes out as 0.
 
     Args:
         current_scale (Tensor): one-element float32 scale, updated in place.
@@ -224,4 +230,7 @@ def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hyste
     """
     ops.update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
                                 growth_factor, backoff_factor, growth_interval, hysteresis)
+    # Flush to zero on the device, with no host sync.
+    denormal = current_scale.abs() < torch.finfo(torch.float32).tiny
+    current_scale.masked_fill_(denormal, 0.0)
     return current_scale

@@ -1,14 +1,17 @@
-"""The import hook behind ``amp-patch run``: ``apex`` and ``amp_C`` names served by amp_patch.
+"""The import hook behind ``amp-patch run``: ``apex`` and Apex's compiled modules, from amp_patch.
 
 A :class:`sys.meta_path` finder answers imports of ``apex``, its supported
-submodules, and ``amp_C`` with small modules whose attributes come from
-amp_patch (see :data:`MODULES`). Each served module holds, in its
+submodules, and the top-level compiled modules Apex's ``setup.py`` installed
+(``amp_C``, ``apex_C``, ``fused_adam_cuda``; :data:`COMPILED_MODULES` lists
+them all, with what to use instead of those not served) with small modules
+whose attributes come from amp_patch (see :data:`MODULES`). Each served module holds, in its
 ``__dict__``, the public names Apex's module had that amp_patch serves, and
 its ``__all__`` lists them, so ``from apex.fp16_utils import *`` and
 ``'state_dict' in amp.__dict__`` behave as with Apex.
 
-Anything else under ``apex`` fails at import with :class:`ApexUnsupportedError`,
-a subclass of :class:`ImportError` whose message names what is missing, so that
+Anything else under ``apex``, and every other compiled module of Apex, fails
+at import with :class:`ApexUnsupportedError`, a subclass of
+:class:`ImportError` whose message names what is missing, so that
 a script's own ``try: ... except ImportError`` fallbacks keep working. Such a
 miss is never silent: it is logged as a warning naming the name and what to use
 instead, even when the script catches the error, and the finder records it in
@@ -37,7 +40,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-__all__ = ["ApexUnsupportedError", "ApexFinder", "MODULES", "install", "uninstall", "apex_import_hook"]
+__all__ = ["ApexUnsupportedError", "ApexFinder", "MODULES", "COMPILED_MODULES", "install",
+           "uninstall", "apex_import_hook"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -68,10 +72,20 @@ _AMP_NAMES = ("init", "half_function", "float_function", "promote_function",
               "scale_loss", "disable_casts", "initialize", "state_dict", "load_state_dict",
               "master_params")
 
+_CONTRIB_OPTIMIZERS = "amp_patch.apex_compat.contrib.optimizers"
+_CONTRIB_XENTROPY = "amp_patch.apex_compat.contrib.xentropy"
+_SOFTMAX_HINT = ("torch.softmax on the scaled, masked scores, or "
+                 "torch.nn.functional.scaled_dot_product_attention")
+_ATTENTION_HINT = ("torch.nn.functional.scaled_dot_product_attention or "
+                   "torch.nn.MultiheadAttention")
+_DIST_OPT_HINT = ("torch.distributed.optim.ZeroRedundancyOptimizer, or FSDP with "
+                  "torch.optim.AdamW(fused=True)")
+_NCCL_HINT = "torch.distributed's NCCL collectives and send/recv"
+
 #: The names served, and where their attributes come from.
 MODULES: dict[str, _Mapping] = {
     "apex": _Mapping(None, "the package",
-                     ("amp", "fp16_utils", "optimizers", "normalization", "parallel")),
+                     ("amp", "fp16_utils", "optimizers", "normalization", "parallel", "contrib")),
     "apex.amp": _Mapping("amp_patch", "amp_patch's public API, and _amp_state", _AMP_NAMES,
                          _AMP_STATE),
     "apex.amp.frontend": _Mapping("amp_patch",
@@ -110,9 +124,70 @@ MODULES: dict[str, _Mapping] = {
     "apex.multi_tensor_apply": _Mapping("amp_patch.apex_compat.multi_tensor_apply",
                                         "multi_tensor_applier, MultiTensorApply",
                                         ("MultiTensorApply", "multi_tensor_applier")),
+    "apex.contrib": _Mapping(None, "the package", ("optimizers", "xentropy", "clip_grad")),
+    "apex.contrib.optimizers": _Mapping(
+        _CONTRIB_OPTIMIZERS, "FP16_Optimizer, FusedAdam (Apex's contrib protocol)",
+        ("FP16_Optimizer", "FusedAdam")),
+    "apex.contrib.optimizers.fp16_optimizer": _Mapping(_CONTRIB_OPTIMIZERS, "FP16_Optimizer",
+                                                       ("FP16_Optimizer",)),
+    "apex.contrib.optimizers.fused_adam": _Mapping(_CONTRIB_OPTIMIZERS, "FusedAdam",
+                                                   ("FusedAdam",)),
+    "apex.contrib.xentropy": _Mapping(_CONTRIB_XENTROPY, "SoftmaxCrossEntropyLoss",
+                                      ("SoftmaxCrossEntropyLoss",)),
+    "apex.contrib.xentropy.softmax_xentropy": _Mapping(_CONTRIB_XENTROPY, "SoftmaxCrossEntropyLoss",
+                                                       ("SoftmaxCrossEntropyLoss",)),
+    "apex.contrib.clip_grad": _Mapping("amp_patch.apex_compat.contrib.clip_grad",
+                                       "clip_grad_norm_ (torch's)", ("clip_grad_norm_",)),
     "amp_C": _Mapping("amp_patch.apex_compat.amp_C",
                       "multi_tensor_scale, multi_tensor_axpby, multi_tensor_l2norm, "
                       "multi_tensor_unscale_l2norm, update_scale_hysteresis"),
+    "apex_C": _Mapping("amp_patch.apex_compat.apex_C", "flatten, unflatten"),
+    "fused_adam_cuda": _Mapping("amp_patch.apex_compat.fused_adam_cuda",
+                                "adam, adam_mt (Apex's arithmetic)"),
+}
+
+#: Every top-level module Apex's ``setup.py`` compiled (amp as of its removal), to None when
+#: :data:`MODULES` serves it, else to what to use instead. The import hook answers them all.
+COMPILED_MODULES: dict[str, str | None] = {
+    "amp_C": None,
+    "apex_C": None,
+    "fused_adam_cuda": None,
+    "syncbn": "apex.parallel.SyncBatchNorm (served) or torch.nn.SyncBatchNorm",
+    "fused_layer_norm_cuda": "apex.normalization.FusedLayerNorm / FusedRMSNorm (served), or "
+                             "torch.nn.LayerNorm / torch.nn.RMSNorm",
+    "fused_lamb_cuda": "apex.optimizers.FusedLAMB (served)",
+    "mlp_cuda": "torch.nn.Linear layers and activations (amp_patch casts them under O1-O3)",
+    "fused_dense_cuda": "torch.nn.Linear (amp_patch casts it under O1-O3)",
+    "fused_weight_gradient_mlp_cuda": "torch.nn.Linear; autograd computes its weight gradient",
+    "xentropy_cuda": "apex.contrib.xentropy.SoftmaxCrossEntropyLoss (served) or "
+                     "torch.nn.functional.cross_entropy(label_smoothing=...)",
+    "scaled_upper_triang_masked_softmax_cuda": _SOFTMAX_HINT,
+    "generic_scaled_masked_softmax_cuda": _SOFTMAX_HINT,
+    "scaled_masked_softmax_cuda": _SOFTMAX_HINT,
+    "scaled_softmax_cuda": _SOFTMAX_HINT,
+    "fused_rotary_positional_embedding": "rotary embeddings written in torch ops (the model's "
+                                         "own, or torchtune's RotaryPositionalEmbeddings)",
+    "fast_layer_norm": "torch.nn.LayerNorm, or apex.normalization.FusedLayerNorm (served)",
+    "fmhalib": _ATTENTION_HINT,
+    "fast_multihead_attn": _ATTENTION_HINT,
+    "bnp": "torch.nn.BatchNorm2d (channels_last)",
+    "cudnn_gbn_lib": "torch.nn.BatchNorm2d, or torch.nn.SyncBatchNorm for group BN",
+    "group_norm_cuda": "torch.nn.GroupNorm",
+    "group_norm_v2_cuda": "torch.nn.GroupNorm",
+    "focal_loss_cuda": "torchvision.ops.sigmoid_focal_loss",
+    "fused_index_mul_2d": "torch.index_select followed by a multiply",
+    "permutation_search_cuda": "torch.sparse.to_sparse_semi_structured (2:4 sparsity)",
+    "transducer_joint_cuda": "torchaudio.functional.rnnt_loss with the joint in torch ops",
+    "transducer_loss_cuda": "torchaudio.functional.rnnt_loss",
+    "distributed_adam_cuda": _DIST_OPT_HINT,
+    "distributed_lamb_cuda": _DIST_OPT_HINT,
+    "peer_memory_cuda": _NCCL_HINT,
+    "nccl_p2p_cuda": _NCCL_HINT,
+    "_nccl_version_getter": "torch.cuda.nccl.version()",
+    "_apex_nccl_allocator": _NCCL_HINT,
+    "_apex_gpu_direct_storage": "torch.cuda.gds",
+    "fast_bottleneck": "torch.nn.Conv2d, BatchNorm2d and ReLU (torch.compile fuses them)",
+    "fused_conv_bias_relu": "torch.nn.Conv2d and ReLU (torch.compile fuses them)",
 }
 
 # What to use instead, for names people are likely to meet.
@@ -124,9 +199,29 @@ _HINTS: dict[str, str] = {
     "apex.parallel.multiproc": "torchrun",
     "apex.amp": "the public apex.amp API and _amp_state, which amp_patch serves (amp.initialize, "
                 "amp.scale_loss, amp.state_dict, ...)",
-    "apex.contrib": "torch's own ops (torch.nn.CrossEntropyLoss for xentropy, torch.optim's "
-                    "fused=True optimizers, torch.nn.functional.scaled_dot_product_attention); "
-                    "Apex's contrib CUDA extensions are not provided",
+    "apex.contrib": "torch's own ops (torch.optim's fused=True optimizers, "
+                    "torch.nn.functional.scaled_dot_product_attention, torch.nn.GroupNorm, ...); "
+                    "of apex.contrib only optimizers.FP16_Optimizer / FusedAdam, "
+                    "xentropy.SoftmaxCrossEntropyLoss and clip_grad.clip_grad_norm_ are served",
+    "apex.contrib.optimizers.FusedLAMB": "apex.optimizers.FusedLAMB (served)",
+    "apex.contrib.optimizers.FusedSGD": "apex.optimizers.FusedSGD (served)",
+    "apex.contrib.optimizers.DistributedFusedAdam": "torch.distributed.optim."
+                                                    "ZeroRedundancyOptimizer, or FSDP",
+    "apex.contrib.optimizers.DistributedFusedLAMB": "torch.distributed.optim."
+                                                    "ZeroRedundancyOptimizer, or FSDP",
+    "apex.contrib.layer_norm": "torch.nn.LayerNorm, or apex.normalization.FusedLayerNorm (served)",
+    "apex.contrib.multihead_attn": "torch.nn.MultiheadAttention or "
+                                   "torch.nn.functional.scaled_dot_product_attention",
+    "apex.contrib.fmha": "torch.nn.functional.scaled_dot_product_attention",
+    "apex.contrib.groupbn": "torch.nn.BatchNorm2d / torch.nn.SyncBatchNorm",
+    "apex.contrib.cudnn_gbn": "torch.nn.BatchNorm2d / torch.nn.SyncBatchNorm",
+    "apex.contrib.group_norm": "torch.nn.GroupNorm",
+    "apex.contrib.focal_loss": "torchvision.ops.sigmoid_focal_loss",
+    "apex.contrib.sparsity": "torch.sparse.to_sparse_semi_structured (2:4 sparsity)",
+    "apex.contrib.transducer": "torchaudio.functional.rnnt_loss",
+    "apex.contrib.bottleneck": "torch.nn.Conv2d, BatchNorm2d and ReLU (torch.compile fuses them)",
+    "apex.contrib.conv_bias_relu": "torch.nn.Conv2d and ReLU (torch.compile fuses them)",
+    "apex.contrib.index_mul_2d": "torch.index_select followed by a multiply",
     "apex.transformer": "torch.distributed.tensor.parallel, or Megatron-LM; Apex's Megatron-style "
                         "parallel utilities are not provided",
     "apex.mlp": "torch.nn.Linear layers (amp_patch casts them under O1-O3)",
@@ -134,6 +229,13 @@ _HINTS: dict[str, str] = {
     "apex.reparameterization": "torch.nn.utils.parametrizations.weight_norm",
     "apex.fused_dense": "torch.nn.Linear (amp_patch casts it under O1-O3)",
 }
+
+
+_HINTS.update({name: hint for name, hint in COMPILED_MODULES.items() if hint is not None})
+_HINTS.update({f"fused_adam_cuda.{name}": "fused_adam_cuda.adam / adam_mt (served); the helpers of "
+               "Apex's distributed optimizers are not provided"
+               for name in ("reversible_adam", "maybe_adam_undo", "maybe_cast", "maybe_cast_mt",
+                            "strided_check_finite")})
 
 
 class ApexUnsupportedError(ImportError):
@@ -227,11 +329,12 @@ class _ShimLoader(importlib.abc.Loader):
 
 
 class ApexFinder(importlib.abc.MetaPathFinder):
-    """Finds ``apex``, ``apex.*`` and ``amp_C`` imports and serves them from amp_patch.
+    """Finds ``apex``, ``apex.*`` and Apex's compiled modules' imports, served from amp_patch.
 
     Args:
         roots (set of str): the top-level names to answer (``"apex"``,
-            ``"amp_C"``); those that a real installation provides are left out
+            ``"amp_C"``, ``"fused_adam_cuda"``, ...: :data:`COMPILED_MODULES`); those
+            that a real installation provides are left out
             by :func:`install` unless shadowing was asked for.
 
     Attributes:
@@ -264,11 +367,12 @@ class ApexFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_loader(fullname, self._loader, is_package=True)
 
 
-_ROOTS = ("apex", "amp_C")
+_ROOTS = ("apex", *COMPILED_MODULES)
 
 
 def real_installations() -> dict[str, str]:
-    """Top-level names among ``apex`` and ``amp_C`` that a real installation provides, with its origin."""
+    """Top-level names among ``apex`` and Apex's compiled modules that a real installation
+    provides, with its origin."""
     found = {}
     for root in _ROOTS:
         spec = importlib.machinery.PathFinder.find_spec(root)

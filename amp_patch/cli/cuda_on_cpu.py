@@ -17,6 +17,7 @@ object. A CUDA function the mapping has no CPU meaning for raises
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import functools
 import importlib
 import inspect
@@ -36,6 +37,7 @@ __all__ = ["CudaOnCpu", "CudaNotMappedError", "CpuStream", "CpuEvent", "MAPPED"]
 logger = logging.getLogger("amp_patch")
 
 _CPU = torch.device("cpu")
+_REAL_DEVICE = torch.device  # torch's own class, whatever torch.device is while installed
 
 #: What the mapping does, as (CUDA call, what it becomes on the CPU): the start-up message
 #: and the docs say this. ``{half}`` is the run's half dtype.
@@ -45,6 +47,9 @@ MAPPED = (
     ("'cuda', 'cuda:N', torch.device('cuda'), an int device",
      "'cpu' in .to(), new_*(), every factory's device=, torch.load(map_location=), "
      "set_default_device()"),
+    ("torch.device(0), torch.device('cuda'), torch.device('cuda', 0), "
+     "torch.device(type='cuda', index=0)",
+     "torch.device('cpu'); isinstance(x, torch.device) holds for every device"),
     ("torch.cuda.is_available(), device_count(), current_device(), set_device(), device()",
      "True, 1, the index last set: every CUDA index is the CPU"),
     ("torch.cuda.synchronize(), Stream, current_stream(), default_stream(), stream(), Event, "
@@ -56,7 +61,10 @@ MAPPED = (
      "'gloo', CPU DDP without device_ids, the module itself"),
     ("torch.cuda.manual_seed*(), seed*(), get/set_rng_state*()",
      "the CPU generator, which draws every random number"),
-    ("torch.cuda.empty_cache(), ipc_collect(), torch.cuda.nvtx ranges", "nothing to do"),
+    ("torch.cuda.empty_cache(), ipc_collect(), torch.cuda.nvtx ranges, "
+     "torch.cuda.cudart().cudaProfilerStart()/Stop(), torch.cuda.profiler", "nothing to do"),
+    ("torch.cuda.get_device_capability()",
+     "(0, 0): no CUDA architecture, so GPU-only kernels gated on it (flash-attn) stay off"),
 )
 
 #: Legacy CUDA tensor types and the CPU types they become (HalfTensor follows the half dtype).
@@ -109,12 +117,69 @@ def _cpu_if_cuda(device: Any) -> Any:
         return _CPU if device.type == "cuda" else device
     if isinstance(device, str):
         try:
-            return _CPU if torch.device(device).type == "cuda" else device
+            return _CPU if _REAL_DEVICE(device).type == "cuda" else device
         except RuntimeError:
             return device  # not a device name: torch's own error says so
     if isinstance(device, int) and not isinstance(device, bool):
         return _CPU  # a bare index means a CUDA device
     return device
+
+
+class _DeviceMeta(type):
+    """The metaclass of :class:`_CpuDevice`: ``isinstance``/``issubclass`` ask torch's own class."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_DEVICE)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return sub is cls or issubclass(sub, _REAL_DEVICE)
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(_REAL_DEVICE, name)  # torch.device.type and other class attributes
+
+
+class _CpuDevice(metaclass=_DeviceMeta):
+    """Stands in for the ``torch.device`` constructor: CUDA devices are made on the CPU.
+
+    ``torch.device`` is a C type that cannot be subclassed. Calling this class
+    returns a real :class:`torch.device` (so C code, ``==`` and hashing see
+    torch's own objects), with every CUDA device, and a bare index, replaced by
+    the CPU; ``isinstance(x, torch.device)`` and ``issubclass`` are answered by
+    torch's class, and ``torch.device`` keeps working in annotations,
+    ``X | None`` and ``with torch.device(...)`` blocks. The index of a CUDA
+    device made with it is not kept: ``torch.cuda.set_device(torch.device("cuda", 1))``
+    leaves ``current_device()`` as it was, where ``set_device(1)`` or
+    ``set_device("cuda:1")`` sets it.
+
+    Example::
+
+        >>> torch.device(0), torch.device("cuda", 0), torch.device(type="cuda", index=0)
+        (device(type='cpu'), device(type='cpu'), device(type='cpu'))
+        >>> isinstance(torch.device("meta"), torch.device)
+        True
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> torch.device:  # type: ignore[misc]
+        device = _REAL_DEVICE(*args, **kwargs) if not _is_bare_index(args, kwargs) else _CPU
+        return _CPU if device.type == "cuda" else device
+
+
+def _is_bare_index(args: tuple, kwargs: dict) -> bool:
+    """``torch.device(0)``: an int alone means the current accelerator, which CPU torch lacks."""
+    value = args[0] if len(args) == 1 and not kwargs else None
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_CpuDevice.__name__ = _CpuDevice.__qualname__ = "device"
+_CpuDevice.__module__ = "torch"
+
+
+def _reduce_device(device: torch.device) -> tuple:
+    # A device pickles as a reference to ``torch.device``; pickle checks that the name finds the
+    # very class, which is the stand-in while it is installed. The stream is unchanged: it
+    # still reads back as torch's device wherever amp_patch is absent.
+    return (torch.device, (device.type, device.index) if device.index is not None
+            else (device.type,))
 
 
 def _map_device_kwarg(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -234,6 +299,28 @@ class CpuStream:
         pass
 
 
+class _CpuCudart:
+    """``torch.cuda.cudart()`` on the CPU: the profiler range calls succeed with nothing to do.
+
+    Apex's ImageNet example brackets ``--prof`` iterations with
+    ``torch.cuda.cudart().cudaProfilerStart()`` and ``cudaProfilerStop()``;
+    each returns 0 (``cudaSuccess``) here, so ``torch.cuda.check_error`` and
+    ``torch.cuda.profiler.start()`` pass.
+    """
+
+    def cudaProfilerStart(self) -> int:  # noqa: N802 - the CUDA runtime's name
+        return 0
+
+    def cudaProfilerStop(self) -> int:  # noqa: N802 - the CUDA runtime's name
+        return 0
+
+
+def check_error(res: int) -> None:
+    """``torch.cuda.check_error`` for :class:`_CpuCudart`'s results: 0 is success."""
+    if res != 0:
+        raise RuntimeError(f"CUDA runtime call failed with error {res}")
+
+
 class _StreamContext:
     """``torch.cuda.stream(s)``: ``s`` is the current stream inside the block."""
 
@@ -272,7 +359,7 @@ def _index(device: Any) -> int | None:
         return device if device >= 0 else None
     if isinstance(device, torch.Tensor):
         return None  # a CPU tensor has no CUDA index (device_of)
-    device = torch.device(device)
+    device = _REAL_DEVICE(device)
     return device.index if device.type == "cuda" and device.index is not None else None
 
 
@@ -308,11 +395,12 @@ class CudaOnCpu:
         self.default_stream = CpuStream()
         self._streams = [self.default_stream]
         self._patcher = Patcher()
+        self._pickles_devices = False
         self.targets: list[tuple[Any, str]] = []
 
     @property
     def installed(self) -> bool:
-        return len(self._patcher) > 0
+        return len(self._patcher) > 0 or self._pickles_devices
 
     def __enter__(self) -> "CudaOnCpu":
         self.install()
@@ -350,12 +438,18 @@ class CudaOnCpu:
             self._patch_parallel()
             self._patch_amp_patch()
         except BaseException:
-            self._patcher.undo_all()
+            self.uninstall()
             raise
 
     def uninstall(self) -> None:
         """Restore every patched attribute (a no-op when not installed)."""
-        self._patcher.undo_all()
+        try:
+            self._patcher.undo_all()
+        finally:
+            if self._pickles_devices:
+                if copyreg.dispatch_table.get(_REAL_DEVICE) is _reduce_device:
+                    del copyreg.dispatch_table[_REAL_DEVICE]
+                self._pickles_devices = False
 
     def _patch(self, parent: Any, name: str, make: Callable[[Any], Any]) -> None:
         if self._patcher.patch(parent, name, make):
@@ -385,12 +479,17 @@ class CudaOnCpu:
         self._set(torch.Tensor, "pin_memory", lambda self_, device=None: self_)
 
     def _patch_devices(self) -> None:
+        self._set(torch, "device", _CpuDevice)
+        if _REAL_DEVICE not in copyreg.dispatch_table:
+            copyreg.dispatch_table[_REAL_DEVICE] = _reduce_device
+            self._pickles_devices = True
         self._patch(torch.Tensor, "to", _map_tensor_to)
         for name in _TENSOR_DEVICE_METHODS:
             self._patch(torch.Tensor, name, _map_device_kwarg)
         for name in _factory_names():
             self._patch(torch, name, _map_device_kwarg)
         self._patch(torch, "load", _map_load)
+        self._patch(torch, "get_device_module", _map_get_device_module)
         self._patch(torch, "set_default_device", lambda original: functools.wraps(original)(
             lambda device: original(_cpu_if_cuda(device))))
 
@@ -411,6 +510,7 @@ class CudaOnCpu:
             for state in list(states)[:1]:
                 set_state(state)
 
+        cudart = _CpuCudart()
         mapped: dict[str, Any] = {
             "is_available": lambda: True,
             "is_initialized": lambda: True,
@@ -442,6 +542,8 @@ class CudaOnCpu:
             "StreamContext": lambda stream: _StreamContext(self, stream),
             "device": lambda device: _DeviceContext(self, device),
             "device_of": lambda obj: _DeviceContext(self, obj),
+            "cudart": lambda: cudart,
+            "get_device_capability": lambda device=None: (0, 0),
         }
         own = {n: getattr(cuda, n) for n in dir(cuda) if not n.startswith("_") and n not in mapped
                and (getattr(getattr(cuda, n), "__module__", "") or "").startswith("torch.cuda")}
@@ -455,6 +557,11 @@ class CudaOnCpu:
                 # CUDAGraph, graph, ExternalStream, MemPool, the storage types, ...;
                 # exception types stay, so that `except torch.cuda.OutOfMemoryError` still works.
                 self._set(cuda, n, _refusing_class(f"torch.cuda.{n}", value))
+        # torch.cuda.profiler took its own references at import.
+        profiler = importlib.import_module("torch.cuda.profiler")
+        self._set(profiler, "cudart", lambda: cudart)
+        self._set(profiler, "check_error", check_error)
+        self._set(cuda, "check_error", check_error)
         nvtx = cuda.nvtx
         self._set(nvtx, "range_push", lambda msg: 0)
         self._set(nvtx, "range_pop", lambda: 0)
@@ -579,6 +686,18 @@ def _map_load(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(f, map_location, *args, **kwargs)
 
     return load
+
+
+def _map_get_device_module(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_device_module(device: Any = None) -> Any:
+        # torch.device("cuda") is the CPU now, but torch.cuda (mapped) is still the module
+        # torch's own code wants for "cuda" (torch.random.fork_rng, say).
+        if isinstance(device, str) and device.split(":", 1)[0] == "cuda":
+            return torch.cuda
+        return original(device)
+
+    return get_device_module
 
 
 def _map_init_process_group(original: Callable[..., None]) -> Callable[..., None]:

@@ -26,10 +26,14 @@ DESCRIPTION = """\
 Run a Python script (or module, with -m) as __main__, with an import hook that
 serves `apex` from amp_patch: apex.amp, apex.optimizers (FusedAdam, FusedLAMB,
 FusedMixedPrecisionLamb, FusedSGD, FusedNovoGrad, FusedAdagrad), apex.parallel
-(DistributedDataParallel), apex.normalization, apex.fp16_utils and
-apex.multi_tensor_apply / amp_C. The script needs no edits. An apex name
-amp_patch does not provide fails at import with a message naming it, is logged
-as a warning even if the script catches the error, and is listed at the end.
+(DistributedDataParallel), apex.normalization, apex.fp16_utils,
+apex.multi_tensor_apply, apex.contrib.optimizers (FP16_Optimizer, FusedAdam),
+apex.contrib.xentropy and apex.contrib.clip_grad, and Apex's compiled modules
+amp_C, apex_C and fused_adam_cuda. The script needs no edits. An apex name (or
+another of Apex's compiled modules: syncbn, fused_layer_norm_cuda, ...) that
+amp_patch does not provide fails at import with a message naming it and what
+to use instead, is logged as a warning even if the script catches the error,
+and is listed at the end.
 
 A real apex installed on this machine is used as it is, unless --shadow-apex
 is given. Arguments after the script name are passed to the script.

@@ -5,6 +5,15 @@ the same flat index as ``state``. ``optimizer.load_state_dict()`` restores
 them, so training resumes bit-exactly; a checkpoint without them (saved at
 another opt level) restarts the masters from the model, which should be
 loaded first.
+
+Each saved param group also names its masters, by position in the group
+(:data:`GROUP_MASTERS_KEY`; the same tensors, which ``torch.save`` stores
+once). A plain optimizer that loads the checkpoint before
+:func:`amp_patch.initialize` drops the top-level key but keeps its groups'
+keys, so :meth:`MasterWeights.attach` can make the masters of a model loaded
+before ``initialize`` from the checkpoint's exact fp32 values rather than from
+the half params the cast rounded them to (Apex's
+``test_checkpointing.test_restoring`` with ``amp.initialize`` after the loads).
 """
 
 from __future__ import annotations
@@ -14,12 +23,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from amp_patch.optim.masters import MasterWeights
+from amp_patch.optim.masters import GROUP_MASTERS_KEY, MasterWeights
 
-__all__ = ["MASTERS_KEY", "install_optimizer_hooks"]
+__all__ = ["MASTERS_KEY", "GROUP_MASTERS_KEY", "install_optimizer_hooks"]
 
 #: The key of the fp32 masters in an O2 optimizer's state dict.
 MASTERS_KEY = "amp_master_params"
+
 
 
 def install_optimizer_hooks(optimizer: torch.optim.Optimizer, masters: MasterWeights,
@@ -66,12 +76,18 @@ class _MasterHooks:
         self.before_save()
         flat = _flat_params(opt)
         state_dict[MASTERS_KEY] = {i: p for i, p in enumerate(flat) if self.masters.is_master(p)}
+        for group in state_dict["param_groups"]:
+            group[GROUP_MASTERS_KEY] = [flat[i] if self.masters.is_master(flat[i]) else None
+                                        for i in group["params"]]
         return state_dict
 
     def check(self, opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         self._pending = []
         state_dict = dict(state_dict)
         saved = state_dict.pop(MASTERS_KEY, None)
+        # The masters are loaded below; the group copies would stay in the live groups.
+        state_dict["param_groups"] = [{k: v for k, v in g.items() if k != GROUP_MASTERS_KEY}
+                                      for g in state_dict["param_groups"]]
         flat = _flat_params(opt)
         if saved is None:
             self._pending = [(master, model_p) for model_p, master in self.masters.pairs(flat)]

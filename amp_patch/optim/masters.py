@@ -20,6 +20,10 @@ from amp_patch import ops
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.tensors import group_by_device_and_dtype
 
+#: The key, in each param group of an O2 optimizer's state dict, of its fp32 masters by position
+#: (None for a param without one); see :mod:`amp_patch.optim.checkpoints`.
+GROUP_MASTERS_KEY = "amp_group_masters"
+
 __all__ = ["MasterWeights", "clear_grads", "match_state_to_params"]
 
 
@@ -61,11 +65,19 @@ class MasterWeights:
                 master, in fp32.
         """
         params = group["params"]
+        # Masters of a checkpoint that a plain optimizer loaded before initialize.
+        saved = group.pop(GROUP_MASTERS_KEY, None) or []
         for i, p in enumerate(params):
             if p.dtype not in HALF_DTYPES or id(p) in self._master_of:
                 continue
             # .float() keeps the param's layout (channels-last stays channels-last).
             master = nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+            value = saved[i] if i < len(saved) else None
+            if _saved_master_of(p, value):
+                # The model was loaded from the same checkpoint (its half value is this
+                # master rounded): take the exact fp32 value, not the rounded one.
+                with torch.no_grad():
+                    master.copy_(value)
             if p.grad is not None:
                 master.grad = p.grad.detach().float()
             self._model_of[id(master)] = p
@@ -210,6 +222,14 @@ class MasterWeights:
         self._master_of.clear()
         self._grad_buffers.clear()
         self._written_version.clear()
+
+
+def _saved_master_of(param: Tensor, value: Any) -> bool:
+    """Whether ``value`` (a checkpoint's master) is the master of ``param`` as loaded: an fp32
+    tensor of its shape that rounds to exactly its half value."""
+    return (isinstance(value, Tensor) and value.dtype == torch.float32
+            and value.shape == param.shape and value.device == param.device
+            and torch.equal(value.to(param.dtype), param.detach()))
 
 
 def clear_grads(params: Iterable[Tensor], set_to_none: bool) -> None:

@@ -2,12 +2,12 @@
 
 ``--fp16`` imports FP16_Optimizer inside ``try``/``except ImportError``; without
 apex it prints a warning and trains in fp32, and a user reading a long log
-may never notice. ``--fused_xentropy`` does the same for a contrib kernel.
+may never notice. ``--fast_layer_norm`` does the same for a contrib kernel.
 Under ``amp-patch run`` the first import is served (the model trains in
 half), and the second, which amp_patch does not serve, is logged as a warning
 by amp_patch and listed at the end of the run:
 
-    amp-patch run examples/legacy/guarded_import.py --fp16 --fused_xentropy
+    amp-patch run examples/legacy/guarded_import.py --fp16 --fast_layer_norm
     python examples/legacy/guarded_import.py --fp16      # no apex: falls back to fp32
 
 ``--overflow_step N`` multiplies the loss at step N by inf; ``--save_step`` and
@@ -31,7 +31,7 @@ def get_batch(step, batch_size=16):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--fp16", action="store_true")
-    parser.add_argument("--fused_xentropy", action="store_true")
+    parser.add_argument("--fast_layer_norm", action="store_true")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--epochs", type=int, default=20)
     args = parse_args_with_checkpoints(parser, "guarded_output")
@@ -43,15 +43,17 @@ def main():
             print("WARNING: apex not installed, ignoring --fp16 option")
             args.fp16 = False
     criterion = nn.CrossEntropyLoss()
-    if args.fused_xentropy:
+    norm = nn.Identity()
+    if args.fast_layer_norm:
         try:
-            from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
-            criterion = SoftmaxCrossEntropyLoss()
+            from apex.contrib.layer_norm import FastLayerNorm
+            norm = FastLayerNorm(32)
         except ImportError:
-            print("WARNING: apex.contrib not installed, using torch.nn.CrossEntropyLoss")
+            print("WARNING: apex.contrib not installed, using torch.nn.LayerNorm")
+            norm = nn.LayerNorm(32)
 
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 2))
+    model = nn.Sequential(nn.Linear(10, 32), norm, nn.Tanh(), nn.Linear(32, 2))
     if args.fp16:
         model = model.half()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
