@@ -11,7 +11,7 @@ master's grad is unscaled into.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeGuard
 
 import torch
 from torch import Tensor, nn
@@ -224,7 +224,7 @@ class MasterWeights:
         self._written_version.clear()
 
 
-def _saved_master_of(param: Tensor, value: Any) -> bool:
+def _saved_master_of(param: Tensor, value: Any) -> TypeGuard[Tensor]:
     """Whether ``value`` (a checkpoint's master) is the master of ``param`` as loaded: an fp32
     tensor of its shape that rounds to exactly its half value."""
     return (isinstance(value, Tensor) and value.dtype == torch.float32
