@@ -73,7 +73,7 @@ class MasterWeights:
             # .float() keeps the param's layout (channels-last stays channels-last).
             master = nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
             value = saved[i] if i < len(saved) else None
-            if _saved_master_of(p, value):
+            if _saved_master_of(value, p):
                 # The model was loaded from the same checkpoint (its half value is this
                 # master rounded): take the exact fp32 value, not the rounded one.
                 with torch.no_grad():
@@ -224,7 +224,7 @@ class MasterWeights:
         self._written_version.clear()
 
 
-def _saved_master_of(param: Tensor, value: Any) -> TypeGuard[Tensor]:
+def _saved_master_of(value: Any, param: Tensor) -> TypeGuard[Tensor]:
     """Whether ``value`` (a checkpoint's master) is the master of ``param`` as loaded: an fp32
     tensor of its shape that rounds to exactly its half value."""
     return (isinstance(value, Tensor) and value.dtype == torch.float32
