@@ -36,6 +36,14 @@ _SCRIPT = "a fragment of a training script: its grads, masters and loss come fro
 #: Docstring examples that are not run, by doctest name (a name ending in "." covers a
 #: module), with the reason.
 NOT_RUN: dict[str, str] = {
+    "amp_patch.apex_compat.apex_C.flatten": _APEX,
+    "amp_patch.apex_compat.apex_C.unflatten": _APEX,
+    "amp_patch.apex_compat.contrib.optimizers.FP16_Optimizer": _APEX_SCRIPT,
+    "amp_patch.apex_compat.contrib.optimizers.FP16_Optimizer.state_dict": _APEX_SCRIPT,
+    "amp_patch.apex_compat.contrib.optimizers.FusedAdam": _APEX_SCRIPT,
+    "amp_patch.apex_compat.contrib.xentropy.SoftmaxCrossEntropyLoss": _APEX,
+    "amp_patch.apex_compat.fused_adam_cuda.adam": _APEX_SCRIPT,
+    "amp_patch.apex_compat.fused_adam_cuda.adam_mt": _APEX_SCRIPT,
     "amp_patch.apex_compat.amp_state.AmpState": _APEX,
     "amp_patch.apex_compat.amp_state.LossScalerView": _APEX,
     "amp_patch.apex_compat.amp_state.OptPropertiesView": _APEX,

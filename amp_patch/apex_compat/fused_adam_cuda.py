@@ -69,8 +69,8 @@ def step_size(lr: float, beta1: float, beta2: float, step: int, bias_correction:
 
     Example::
 
-        >>> float(step_size(1e-3, 0.9, 0.999, 1, 1))   # lr*sqrt(0.001)/0.1
-        0.00031622778...
+        >>> float(step_size(1e-3, 0.9, 0.999, 1, 1))   # lr*sqrt(0.001)/0.1, in fp32 steps
+        0.0003162256...
     """
     lr32 = _f32(lr)
     if bias_correction != 1:
