@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402
 
 from amp_patch import ops  # noqa: E402
+from amp_patch.ops import scaling_ops  # noqa: E402
 
 N_TENSORS = 200
 
@@ -76,18 +77,18 @@ def check_correctness(device: str) -> None:
     f1, f2 = torch.zeros(1, device=device), torch.zeros(1, device=device)
     got, want = [t.clone() for t in x], [t.clone() for t in x]
     ops.multi_tensor_unscale_(got, f1, inv)
-    ops._unscale_ref(want, f2, inv)
+    scaling_ops._unscale_ref(want, f2, inv)
     same(got, want, "multi_tensor_unscale_")
     got, want = [torch.empty_like(t, dtype=torch.float32) for t in x], [torch.empty_like(t, dtype=torch.float32) for t in x]
     ops.multi_tensor_unscale_copy_(x, got, f1, inv)
-    ops._unscale_copy_ref(x, want, f2, inv)
+    scaling_ops._unscale_copy_ref(x, want, f2, inv)
     same(got, want, "multi_tensor_unscale_copy_")
     ops.multi_tensor_axpby_(x, got, f1, 0.3, 0.9)
-    ops._axpby_ref(x, want, f2, 0.3, 0.9)
+    scaling_ops._axpby_ref(x, want, f2, 0.3, 0.9)
     same(got, want, "multi_tensor_axpby_")
     ops.multi_tensor_copy_(want, x)
     expected = [t.clone() for t in x]
-    ops._copy_ref(want, expected)
+    scaling_ops._copy_ref(want, expected)
     same(x, expected, "multi_tensor_copy_")
     total, _ = ops.multi_tensor_l2norm(x, False)
     exact = torch.cat([t.double().flatten() for t in x]).norm()
@@ -101,7 +102,7 @@ def check_correctness(device: str) -> None:
     for flag in [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]:
         found = torch.full((1,), flag, device=device)
         ops.update_scale_hysteresis(*states[0], found, 2.0, 0.5, 3, 2)
-        ops._update_scale_hysteresis_ref(*states[1], found, 2.0, 0.5, 3, 2)
+        scaling_ops._update_scale_hysteresis_ref(*states[1], found, 2.0, 0.5, 3, 2)
         same(states[0], states[1], "update_scale_hysteresis")
     if f1.item() != 0.0 or f2.item() != 0.0:
         raise SystemExit("found_inf set on finite data")

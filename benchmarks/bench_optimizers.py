@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402
 
 from amp_patch import ops  # noqa: E402
+from amp_patch.ops import optimizer_ops  # noqa: E402
 from amp_patch.cli.machine import LoadMonitor  # noqa: E402
 from amp_patch.optimizers import (  # noqa: E402
     FusedAdagrad,
@@ -119,7 +120,7 @@ def check_correctness(device: str) -> None:
         got = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
         want = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
         out_got = getattr(torch.ops.amp_patch, name)(*got)
-        out_want = ops._OPTIM_REFERENCE[name](*want)
+        out_want = optimizer_ops._OPTIM_REFERENCE[name](*want)
         for a, b in zip(got, want):
             if isinstance(a, list) and not all(torch.equal(x, y) for x, y in zip(a, b)):
                 raise SystemExit(f"{name}: kernel differs from the reference; not timing it")

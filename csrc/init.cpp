@@ -2,7 +2,7 @@
 //
 // Importing the module loads the shared library, whose static initialisers
 // register the C++ kernels with the dispatcher (TORCH_LIBRARY_IMPL in
-// csrc/cpu and csrc/cuda); the op schemas are defined in amp_patch/ops.py. The
+// csrc/cpu and csrc/cuda); the op schemas are defined in amp_patch/ops/. The
 // module exposes one diagnostic and the O1 wrapper type (o1_wrappers.cpp),
 // through the CPython API: no pybind11 module.
 #include <Python.h>

@@ -4,7 +4,7 @@
 //
 // The kernels process tensors in an unspecified order (on CUDA, in parallel),
 // so a call that breaks the rule has no defined result. The reference bodies
-// in amp_patch/ops.py apply the same rule with the same message.
+// in amp_patch/ops/_library.py apply the same rule with the same message.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,7 +1,7 @@
 // The loss-scale update of amp_C.update_scale_hysteresis (Apex's dynamic scale
 // with hysteresis), shared by the CPU and CUDA kernels so both run the very
 // same step: the CPU calls it on host pointers, a one-thread CUDA kernel on
-// device pointers. The reference body in amp_patch/ops.py spells out the same
+// device pointers. The reference body in amp_patch/ops/scaling_ops.py spells out the same
 // rules with tensor ops.
 #pragma once
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import amp_patch
 from amp_patch import ops
+from amp_patch.ops import scaling_ops
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 
@@ -128,7 +129,7 @@ def test_unscale_matches_reference(device, case):
     want = _clone(got)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_(got, f_got, _scale(device))
-    ops._unscale_ref(want, f_want, _scale(device))
+    scaling_ops._unscale_ref(want, f_want, _scale(device))
     assert_bitwise(got, want)
     assert f_got.item() == f_want.item() == 0.0
 
@@ -142,7 +143,7 @@ def test_unscale_copy_matches_reference(device, case, dst_dtype):
     want = _clone(got)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_copy_(src, got, f_got, _scale(device))
-    ops._unscale_copy_ref(src, want, f_want, _scale(device))
+    scaling_ops._unscale_copy_ref(src, want, f_want, _scale(device))
     assert_bitwise(got, want)
     assert f_got.item() == f_want.item() == 0.0
 
@@ -157,7 +158,7 @@ def test_axpby_matches_reference(device, case, y_dtype, a, b):
     want = _clone(got)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_axpby_(x, got, f_got, a, b)
-    ops._axpby_ref(x, want, f_want, a, b)
+    scaling_ops._axpby_ref(x, want, f_want, a, b)
     assert_bitwise(got, want)
     assert f_got.item() == f_want.item() == 0.0
 
@@ -170,7 +171,7 @@ def test_copy_matches_reference(device, case, dst_dtype):
     got = _like(src, dst_dtype)
     want = _clone(got)
     ops.multi_tensor_copy_(src, got)
-    ops._copy_ref(src, want)
+    scaling_ops._copy_ref(src, want)
     assert_bitwise(got, want)
 
 
@@ -188,7 +189,7 @@ def test_l2norm_matches_float64(device, case, per_tensor):
         torch.testing.assert_close(norms.double().cpu(), exact.cpu(), rtol=1e-5, atol=1e-6)
     else:
         assert norms.numel() == 0
-    ref_total, ref_norms = ops._l2norm_ref(x, per_tensor)
+    ref_total, ref_norms = scaling_ops._l2norm_ref(x, per_tensor)
     torch.testing.assert_close(total.cpu(), ref_total.cpu(), rtol=1e-5, atol=1e-6)
     assert norms.shape == ref_norms.shape
 
@@ -207,7 +208,7 @@ def test_unscale_l2norm_matches_float64(device, case):
     assert total.dtype == norms.dtype == F32 and total.shape == ()
     torch.testing.assert_close(norms.double().cpu(), exact.cpu(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(total.double().cpu(), exact.norm().cpu(), rtol=1e-5, atol=1e-6)
-    ref_total, ref_norms = ops._unscale_l2norm_ref(x, inv, True)
+    ref_total, ref_norms = scaling_ops._unscale_l2norm_ref(x, inv, True)
     torch.testing.assert_close(norms.cpu(), ref_norms.cpu(), rtol=1e-5, atol=1e-6)
     total_only, none = ops.multi_tensor_unscale_l2norm(x, inv, False)
     assert none.numel() == 0 and torch.equal(total_only, total)
@@ -245,7 +246,7 @@ def test_update_scale_hysteresis_matches_reference(device, seed):
     for step in range(300):
         found = _flag(device, flags[int(torch.multinomial(weights, 1, generator=gen))])
         ops.update_scale_hysteresis(*got, found, growth_factor, backoff_factor, interval, hysteresis)
-        ops._update_scale_hysteresis_ref(*want, found, growth_factor, backoff_factor, interval, hysteresis)
+        scaling_ops._update_scale_hysteresis_ref(*want, found, growth_factor, backoff_factor, interval, hysteresis)
         for g, w, name in zip(got, want, ["scale", "growth_tracker", "hysteresis_tracker"]):
             assert torch.equal(g, w), f"step {step} ({found.item()}): {name} {g.item()} != {w.item()}"
 
@@ -327,21 +328,21 @@ def test_nonfinite_sets_found_inf(device, value, which, where):
     got, want = _clone(x), _clone(x)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_(got, f_got, _scale(device))
-    ops._unscale_ref(want, f_want, _scale(device))
+    scaling_ops._unscale_ref(want, f_want, _scale(device))
     assert_bitwise(got, want)
     assert f_got.item() == f_want.item() == 1.0
 
     dst_got, dst_want = _like(x, F32), _like(x, F32)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_copy_(x, dst_got, f_got, _scale(device))
-    ops._unscale_copy_ref(x, dst_want, f_want, _scale(device))
+    scaling_ops._unscale_copy_ref(x, dst_want, f_want, _scale(device))
     assert_bitwise(dst_got, dst_want)
     assert f_got.item() == f_want.item() == 1.0
 
     y_got, y_want = _like(x, F32), _like(x, F32)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_axpby_(x, y_got, f_got, 0.5, 1.0)
-    ops._axpby_ref(x, y_want, f_want, 0.5, 1.0)
+    scaling_ops._axpby_ref(x, y_want, f_want, 0.5, 1.0)
     assert_bitwise(y_got, y_want)
     assert f_got.item() == f_want.item() == 1.0
 
@@ -478,7 +479,7 @@ def _opcheck_args(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", sorted(ops._SCHEMAS))
+@pytest.mark.parametrize("name", sorted(scaling_ops._SCHEMAS))
 def test_opcheck(device, name):
     op = getattr(torch.ops.amp_patch, name).default
     torch.library.opcheck(op, _opcheck_args(name, device))
@@ -490,7 +491,7 @@ def test_native_cpu_kernel_serves_cpu():
             pytest.fail("AMP_PATCH_REQUIRE_EXT=1 but the CPU kernels are not registered: extension not built")
         pytest.skip("extension not built")
     assert ops.native_extension_loaded()
-    for name in ops._SCHEMAS:
+    for name in scaling_ops._SCHEMAS:
         assert ops.has_native_kernel("cpu", name), name
 
 
@@ -531,6 +532,7 @@ def test_every_cpu_isa_matches_reference(capability):
         """
         import torch
         from amp_patch import _C, ops
+        from amp_patch.ops import scaling_ops
         print(_C.cpu_capability())
         gen = torch.Generator().manual_seed(0)
         dts = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -541,14 +543,14 @@ def test_every_cpu_isa_matches_reference(capability):
             y2 = [t.clone() for t in y]
             f1, f2 = torch.zeros(1), torch.zeros(1)
             ops.multi_tensor_unscale_copy_(x, y, f1, torch.full((1,), 0.3))
-            ops._unscale_copy_ref(x, y2, f2, torch.full((1,), 0.3))
+            scaling_ops._unscale_copy_ref(x, y2, f2, torch.full((1,), 0.3))
             assert f1.item() == f2.item() == 1.0
             assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(y, y2))
             ops.multi_tensor_axpby_(x, y, f1, 0.3, 0.9)
-            ops._axpby_ref(x, y2, f2, 0.3, 0.9)
+            scaling_ops._axpby_ref(x, y2, f2, 0.3, 0.9)
             assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(y, y2))
             ops.multi_tensor_copy_(x, y)
-            ops._copy_ref(x, y2)
+            scaling_ops._copy_ref(x, y2)
             assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(y, y2))
         x[3][7] = 0.0
         total, _ = ops.multi_tensor_l2norm(x, False)
@@ -579,12 +581,12 @@ def test_property_random_lists(device, specs, dst_dtype, seed):
     got, want = _clone(x), _clone(x)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_(got, f_got, _scale(device))
-    ops._unscale_ref(want, f_want, _scale(device))
+    scaling_ops._unscale_ref(want, f_want, _scale(device))
     assert_bitwise(got, want)
     y_got = _like(x, dst_dtype, seed=seed)
     y_want = _clone(y_got)
     ops.multi_tensor_axpby_(x, y_got, f_got, 0.25, 0.5)
-    ops._axpby_ref(x, y_want, f_want, 0.25, 0.5)
+    scaling_ops._axpby_ref(x, y_want, f_want, 0.25, 0.5)
     assert_bitwise(y_got, y_want)
     assert f_got.item() == f_want.item()
 
@@ -607,7 +609,7 @@ def test_unscale_copy_into_misaligned_contiguous_views(device, offset):
     got_flag, want_flag = torch.zeros(1, device=device), torch.zeros(1, device=device)
     inv = torch.full((1,), 0.25, device=device)
     ops.multi_tensor_unscale_copy_(src, dst, got_flag, inv)
-    ops._unscale_copy_ref(src, want, want_flag, inv)
+    scaling_ops._unscale_copy_ref(src, want, want_flag, inv)
     for g, w in zip(dst, want):
         assert torch.equal(g.nan_to_num(), w.nan_to_num())
         assert torch.equal(g.isnan(), w.isnan())
@@ -631,7 +633,7 @@ _ALIAS_MSG = "overlap in memory"
 def _call(backend, name, *args):
     """Call op ``name`` through the reference body or through the dispatcher."""
     if backend == "reference":
-        return getattr(ops, {"multi_tensor_unscale_": "_unscale_ref",
+        return getattr(scaling_ops, {"multi_tensor_unscale_": "_unscale_ref",
                              "multi_tensor_unscale_copy_": "_unscale_copy_ref",
                              "multi_tensor_axpby_": "_axpby_ref",
                              "multi_tensor_copy_": "_copy_ref"}[name])(*args)
@@ -685,13 +687,13 @@ def test_disjoint_and_identical_lists_are_accepted(backend):
     slices = [buf[:10], buf[10:20], buf[20:20], buf[20:21]]
     want = [t.clone() for t in slices]
     _call(backend, "multi_tensor_unscale_", slices, _flag(device), inv)
-    ops._unscale_ref(want, _flag(device), inv)
+    scaling_ops._unscale_ref(want, _flag(device), inv)
     assert_bitwise(slices, want)
 
     g = [torch.randn(7, device=device), torch.randn(3, device=device).bfloat16()]
     want = [t.clone() for t in g]
     _call(backend, "multi_tensor_unscale_copy_", g, g, _flag(device), inv)  # Apex's O1 [grads, grads]
-    ops._unscale_ref(want, _flag(device), inv)
+    scaling_ops._unscale_ref(want, _flag(device), inv)
     assert_bitwise(g, want)
 
     w = torch.randn(5, device=device)
@@ -737,7 +739,7 @@ def _check_every_op(xs, label):
     got, want = [_clone_at_offset(x) for x in xs], [_clone_at_offset(x) for x in xs]
     f_got, f_want = _flag("cuda"), _flag("cuda")
     ops.multi_tensor_unscale_(got, f_got, inv)
-    ops._unscale_ref(want, f_want, inv)
+    scaling_ops._unscale_ref(want, f_want, inv)
     assert_bitwise(got, want)
     assert f_got.item() == f_want.item(), f"{label}: unscale_ flag"
     for dst_dtype in (F32, BF16):
@@ -745,17 +747,17 @@ def _check_every_op(xs, label):
         want = [torch.empty_like(x, dtype=dst_dtype) for x in xs]
         f_got, f_want = _flag("cuda"), _flag("cuda")
         ops.multi_tensor_unscale_copy_(xs, got, f_got, inv)
-        ops._unscale_copy_ref(xs, want, f_want, inv)
+        scaling_ops._unscale_copy_ref(xs, want, f_want, inv)
         assert_bitwise(got, want)
         assert f_got.item() == f_want.item(), f"{label}: unscale_copy_ flag"
         ops.multi_tensor_copy_(xs, got)
-        ops._copy_ref(xs, want)
+        scaling_ops._copy_ref(xs, want)
         assert_bitwise(got, want)
     y = [_rand_cuda(x.numel(), F32) for x in xs]
     got, want = _clone(y), _clone(y)
     f_got, f_want = _flag("cuda"), _flag("cuda")
     ops.multi_tensor_axpby_(xs, got, f_got, 0.25, 1.5)
-    ops._axpby_ref(xs, want, f_want, 0.25, 1.5)
+    scaling_ops._axpby_ref(xs, want, f_want, 0.25, 1.5)
     assert_bitwise(got, want)
     assert f_got.item() == f_want.item(), f"{label}: axpby_ flag"
     exact = torch.stack([x.double().pow(2).sum() for x in xs]).sqrt()
@@ -851,9 +853,9 @@ def test_cuda_ops_run_on_the_current_stream():
     inv = _scale("cuda")
     want_x, want_y = _clone(xs), _clone(ys)
     f_want = _flag("cuda")
-    ops._unscale_ref(want_x, f_want, inv)
-    ops._axpby_ref(want_x, want_y, f_want, 0.5, 2.0)
-    want_total = ops._l2norm_ref(want_y, True)
+    scaling_ops._unscale_ref(want_x, f_want, inv)
+    scaling_ops._axpby_ref(want_x, want_y, f_want, 0.5, 2.0)
+    want_total = scaling_ops._l2norm_ref(want_y, True)
     torch.cuda.synchronize()  # so that the default stream is idle before the calls below
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -885,22 +887,22 @@ def test_cuda_denormal_inputs_and_outputs():
     got, want = _clone(xs), _clone(xs)
     f_got, f_want = _flag("cuda"), _flag("cuda")
     ops.multi_tensor_unscale_(got, f_got, inv)
-    ops._unscale_ref(want, f_want, inv)
+    scaling_ops._unscale_ref(want, f_want, inv)
     assert_bitwise(got, want)
     assert all((g != 0).any() for g in got), "denormal results were flushed to zero"
     for dst_dtype in (F32, BF16, F16, F64):
         got = [torch.empty_like(x, dtype=dst_dtype) for x in xs]
         want = [torch.empty_like(x, dtype=dst_dtype) for x in xs]
         ops.multi_tensor_unscale_copy_(xs, got, f_got, _scale("cuda", 3.0))
-        ops._unscale_copy_ref(xs, want, f_want, _scale("cuda", 3.0))
+        scaling_ops._unscale_copy_ref(xs, want, f_want, _scale("cuda", 3.0))
         assert_bitwise(got, want)
         ops.multi_tensor_copy_(xs, got)
-        ops._copy_ref(xs, want)
+        scaling_ops._copy_ref(xs, want)
         assert_bitwise(got, want)
     y = [torch.full_like(x, 1e-39, dtype=F32) for x in xs]
     got, want = _clone(y), _clone(y)
     ops.multi_tensor_axpby_(xs, got, f_got, 0.5, 0.25)
-    ops._axpby_ref(xs, want, f_want, 0.5, 0.25)
+    scaling_ops._axpby_ref(xs, want, f_want, 0.5, 0.25)
     assert_bitwise(got, want)
     assert f_got.item() == f_want.item() == 0.0
 
@@ -917,7 +919,7 @@ def test_cuda_axpby_with_misaligned_operands(x_offset, y_offset):
         got, want = [_clone_at_offset(t) for t in y], [_clone_at_offset(t) for t in y]
         f_got, f_want = _flag("cuda"), _flag("cuda")
         ops.multi_tensor_axpby_(x, got, f_got, 1.0 / 3.0, 0.7)
-        ops._axpby_ref(x, want, f_want, 1.0 / 3.0, 0.7)
+        scaling_ops._axpby_ref(x, want, f_want, 1.0 / 3.0, 0.7)
         assert [t.storage_offset() for t in got] == [y_offset] * len(sizes)
         assert_bitwise(got, want)
 
@@ -973,5 +975,5 @@ def test_cuda_kernels_are_registered_whenever_cuda_is_available():
     if os.environ.get("AMP_PATCH_NO_EXT") == "1":
         pytest.skip("AMP_PATCH_NO_EXT=1: the reference ops serve on purpose")
     assert ops.native_extension_loaded(), "CUDA is available but amp_patch._C is not built"
-    missing = [name for name in ops._SCHEMAS if not ops.has_native_kernel("cuda", name)]
+    missing = [name for name in scaling_ops._SCHEMAS if not ops.has_native_kernel("cuda", name)]
     assert not missing, f"no CUDA kernel registered for {missing}: the extension was built without CUDA"

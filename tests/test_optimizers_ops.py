@@ -20,6 +20,7 @@ from conftest import DEVICES
 from test_ops import assert_bitwise
 
 from amp_patch import ops
+from amp_patch.ops import optimizer_ops
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 HALF = (F16, BF16)
@@ -101,7 +102,7 @@ def _run_both(name, args):
     """Runs the dispatched op and the reference on separate copies; returns both copies."""
     got, want = _clone(list(args)), _clone(list(args))
     out_got = getattr(torch.ops.amp_patch, name)(*got)
-    out_want = ops._OPTIM_REFERENCE[name](*want)
+    out_want = optimizer_ops._OPTIM_REFERENCE[name](*want)
     return got, want, out_got, out_want
 
 
@@ -331,7 +332,7 @@ def test_results_do_not_depend_on_the_thread_count(threads):
 @pytest.mark.parametrize("impl", ["dispatched", "reference"])
 def test_mismatched_lists_raise(device, impl):
     name, args = _adam_args("fp32", "same", device)
-    run = getattr(torch.ops.amp_patch, name) if impl == "dispatched" else ops._OPTIM_REFERENCE[name]
+    run = getattr(torch.ops.amp_patch, name) if impl == "dispatched" else optimizer_ops._OPTIM_REFERENCE[name]
     short = list(args)
     short[2] = args[2][:-1]
     with pytest.raises(RuntimeError, match="list lengths differ"):
@@ -356,7 +357,7 @@ def test_sgd_momentum_needs_buffers():
     name, args = _sgd_args("fp32", "same", "cpu")
     args = list(args)
     args[2] = []
-    for run in (torch.ops.amp_patch.multi_tensor_sgd_, ops._sgd_ref):
+    for run in (torch.ops.amp_patch.multi_tensor_sgd_, optimizer_ops._sgd_ref):
         with pytest.raises(RuntimeError, match="momentum_buffers has 0 tensors"):
             run(*args)
 
@@ -375,14 +376,14 @@ def test_native_cpu_kernels_serve_every_optimizer_op():
         if os.environ.get("AMP_PATCH_REQUIRE_EXT") == "1":
             pytest.fail("AMP_PATCH_REQUIRE_EXT=1 but the CPU kernels are not registered")
         pytest.skip("extension not built")
-    for name in ops._OPTIM_SCHEMAS:
+    for name in optimizer_ops._OPTIM_SCHEMAS:
         assert ops.has_native_kernel("cpu", name), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
 def test_cuda_kernels_serve_every_optimizer_op():
     """A CUDA build that silently dropped the optimizer kernels would fall back to the reference."""
-    for name in ops._OPTIM_SCHEMAS:
+    for name in optimizer_ops._OPTIM_SCHEMAS:
         assert ops.has_native_kernel("cuda", name), name
 
 

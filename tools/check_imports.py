@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaf helpers", ("amp_patch._logging", "amp_patch.tensors", "amp_patch._C",
                       "amp_patch.distributed.teardown", "amp_patch.distributed.agree")),
     ("settings", ("amp_patch.dtypes", "amp_patch.levels", "amp_patch.properties")),
-    ("ops", ("amp_patch.ops",)),
+    ("ops", ("amp_patch.ops.*",)),
     ("scaler", ("amp_patch.scaler",)),
     ("optimizer machinery", ("amp_patch.optimizers.*", "amp_patch.optim.*")),
     ("model casting", ("amp_patch.model", "amp_patch.distributed.fsdp")),

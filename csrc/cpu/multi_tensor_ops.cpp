@@ -1,4 +1,4 @@
-// CPU kernels of the amp_patch multi-tensor ops (schemas: amp_patch/ops.py).
+// CPU kernels of the amp_patch multi-tensor ops (schemas: amp_patch/ops/scaling_ops.py).
 //
 // Each op turns its tensor lists into a Plan (cpu/plan.h) and runs its tasks,
 // calling the vectorised loop of the chosen ISA for each piece (vec_loops.h).

@@ -4,7 +4,7 @@
 // round-to-nearest intrinsics that nvcc never contracts into an FMA).
 //
 // Every operation is one IEEE fp32 operation rounded on its own, in the order
-// written, which is also the order of the reference bodies in amp_patch/ops.py:
+// written, which is also the order of the reference bodies in amp_patch/ops/optimizer_ops.py:
 // the compiled kernels are bit-identical to them. That is why the CPU build
 // uses -ffp-contract=off and why T must provide a correctly rounded sqrt_rn.
 // The formulas follow Apex's kernels (csrc/multi_tensor_{adam,sgd_kernel,

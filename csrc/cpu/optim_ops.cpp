@@ -1,5 +1,5 @@
-// CPU kernels of the fused optimizer ops (schemas and reference bodies: the
-// optimizer block at the end of amp_patch/ops.py).
+// CPU kernels of the fused optimizer ops (schemas and reference bodies:
+// amp_patch/ops/optimizer_ops.py).
 //
 // One call updates many tensors. Its lists (grads, params, moments, the
 // optional half model copies) are lined up into rows, one per tensor index, of
