@@ -75,7 +75,7 @@ NOT_RUN: dict[str, str] = {
     "amp_patch.cli.ranks.launch": "spawns processes, which need an importable entry function",
     "amp_patch.cli.ranks.shard": "needs an initialized process group",
     "amp_patch.cli.trainer.LevelTrainer": "needs a workload of amp_patch.cli.models",
-    "amp_patch.cpu_half.CpuHalfSupport": "the answer depends on the host's CPU",
+    "amp_patch.cpu_half.detect.CpuHalfSupport": "the answer depends on the host's CPU",
     "amp_patch.distributed.checkpoint.": "writes and reads a checkpoint under torch.distributed",
     "amp_patch.distributed.clip.clip_grad_norm_": _SCRIPT,
     "amp_patch.distributed.fsdp.prepare": "needs a process group and fully_shard",

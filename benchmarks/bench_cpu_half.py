@@ -185,7 +185,7 @@ def auto_costs() -> dict:
     Also counts the wrappers that ``"auto"`` installs on this host (none where it is native).
     """
     t0, c0 = time.perf_counter(), time.process_time()
-    cpu_half._detect()
+    cpu_half.detect._detect()
     probe_ms = (time.perf_counter() - t0) * 1e3
     probe_cpu_ms = (time.process_time() - c0) * 1e3
     model = torch.nn.Linear(4, 4)
@@ -194,7 +194,7 @@ def auto_costs() -> dict:
     repeats = 200
     t0 = time.perf_counter()
     for _ in range(repeats):
-        cpu_half._session_plan(session)
+        cpu_half.session_plan._session_plan(session.props, session.models)
     plan_us = (time.perf_counter() - t0) / repeats * 1e6
     plan = cpu_half.current_plan()
     amp_patch.deinitialize()
@@ -206,7 +206,7 @@ def auto_costs() -> dict:
 def call_costs() -> dict[str, float]:
     """Microseconds per call of a tiny ``F.linear`` (8x8, bias): original against emulating wrapper,
     on fp32 inputs (passed straight through) and on bf16 inputs (emulated)."""
-    wrapped = cpu_half._emulator(F.linear, BF16, "linear")
+    wrapped = cpu_half.emulate._emulator(F.linear, BF16, "linear")
     x, w, b = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8)
     xh, wh, bh = x.bfloat16(), w.bfloat16(), b.bfloat16()
     block = 200

@@ -146,7 +146,7 @@ def test_describe_is_one_line_with_host_kind_and_dict_is_json(detect_fresh):
 
 def test_probe_leaves_global_rng_alone():
     before = torch.get_rng_state()
-    cpu_half._probe(BF16, repeats=1)
+    cpu_half.detect._probe(BF16, repeats=1)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -264,7 +264,7 @@ def test_emulation_installs_and_deinitialize_restores_the_same_objects(level, ho
 
 def test_only_the_class_that_is_not_native_is_patched(monkeypatch):
     support = _bf16_support(matmul=True, conv=False)
-    monkeypatch.setattr(cpu_half, "cpu_half_support", lambda: support)
+    monkeypatch.setattr(cpu_half.session_plan, "cpu_half_support", lambda: support)
     amp.initialize(nn.Linear(2, 2), opt_level="O3")
     patched = _patched_names()
     conv = {(p, n) for _, p, n in cpu_half.targets(matmul=False)}

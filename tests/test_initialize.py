@@ -41,8 +41,9 @@ def _torch_warmed_up():
     rebinds ``torch.manual_seed``; after one cycle a snapshot sees amp's changes only,
     whichever test of this file runs first.
     """
-    amp_patch.initialize(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
-                         opt_level="O1", verbosity=0)
+    m = _model()
+    amp_patch.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), opt_level="O1",
+                         verbosity=0)
     amp_patch.deinitialize()
 
 
