@@ -95,7 +95,7 @@ NOT_RUN: dict[str, str] = {
     "amp_patch.distributed.debug.RankCheck": "needs an initialized process group",
     "amp_patch.distributed.debug.install": "needs an initialized process group",
     "amp_patch.distributed.regather.install": "needs an FSDP2 model at O1 in a process group",
-    "amp_patch.scaler.LossScaler.snapshot": _SCRIPT,
+    "amp_patch.scaler.AmpScaler.snapshot": _SCRIPT,
     "amp_patch.scaler.unscale_grads": _SCRIPT,
 }
 

@@ -29,7 +29,7 @@ from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.patching import install as _install_patches
 from amp_patch.patching.state import disable_casts
 from amp_patch.properties import Properties
-from amp_patch.scaler import LossScaler
+from amp_patch.scaler import AmpScaler
 
 __all__ = ["initialize", "deinitialize", "state_dict", "load_state_dict"]
 
@@ -200,7 +200,7 @@ def _build(session: _session.AmpSession) -> None:
     for optimizer in session.optimizers:
         session.optimizer_records[id(optimizer)] = _optim.process(
             optimizer, bool(props.master_weights), session.on_close, disable_casts)
-    session.scalers = [LossScaler.from_properties(props, loss_id=i)
+    session.scalers = [AmpScaler.from_properties(props, loss_id=i)
                        for i in range(props.num_losses)]
     _debug.install(session)
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -1,13 +1,13 @@
 """The loss scaler: scale and overflow flag as device tensors, the update rule, its checkpoint
 state.
 
-One :class:`LossScaler` exists per ``loss_id``. Its scale lives twice: as a
+One :class:`AmpScaler` exists per ``loss_id``. Its scale lives twice: as a
 host float (the *mirror*, used to scale the loss and as the float argument of
 ``multi_tensor_axpby_``) and, per device, as a one-element ``inv_scale``
 tensor that the fused kernels read. The overflow flag ``found_inf`` is a
 one-element tensor per device, set by the unscale kernels and by the checks of
-the loss (:meth:`LossScaler.check_loss`) and of the grads' norm
-(:meth:`LossScaler.check`). :meth:`LossScaler.update` reads the flags with the
+the loss (:meth:`AmpScaler.check_loss`) and of the grads' norm
+(:meth:`AmpScaler.check`). :meth:`AmpScaler.update` reads the flags with the
 one host sync of an iteration and then changes the mirror and the device
 tensors together, so the two never disagree.
 
@@ -15,7 +15,7 @@ Every tensor of one fused op call must be on one device. Here,
 :func:`~amp_patch.tensors.group_by_device_and_dtype` splits the lists of the unscale passes; the
 copy of the masters into the model and :func:`amp_patch.clip_grad_norm_`
 (``FP16_Optimizer.clip_master_grads`` among its callers) use it too. The other fused calls split
-their lists themselves: :meth:`LossScaler.check` and the fused optimizers'
+their lists themselves: :meth:`AmpScaler.check` and the fused optimizers'
 grad norms by device, the fused optimizers' steps in their ``_batches`` (by
 device, and whether a half model copy is written), and the ``amp_C``
 functions by device (``_by_device``).
@@ -34,7 +34,7 @@ from amp_patch import ops
 from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
 from amp_patch.tensors import group_by_device_and_dtype  # re-exported: it was public here
 
-__all__ = ["LossScaler", "LossScaleCollapseError", "group_by_device_and_dtype", "unscale_grads"]
+__all__ = ["AmpScaler", "LossScaleCollapseError", "group_by_device_and_dtype", "unscale_grads"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -85,8 +85,12 @@ class _DeviceTensors:
         self.inv_scale = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
 
 
-class LossScaler:
+class AmpScaler:
     """Static or dynamic loss scaling for one ``loss_id``.
+
+    amp's own scaler; Apex's FP16_Optimizer-era ``LossScaler`` and
+    ``DynamicLossScaler`` are other classes, served by
+    :mod:`amp_patch.apex_compat.fp16_optimizer` on top of this one.
 
     A dynamic scale starts at ``min(2**16, max_loss_scale)``. An overflow
     halves it (never below ``min_loss_scale``) and restarts the count of clean
@@ -114,7 +118,7 @@ class LossScaler:
 
     Example::
 
-        >>> scaler = LossScaler("dynamic")
+        >>> scaler = AmpScaler("dynamic")
         >>> scaler.loss_scale
         65536.0
     """
@@ -143,7 +147,7 @@ class LossScaler:
         self._devices: dict[torch.device, _DeviceTensors] = {}
 
     @classmethod
-    def from_properties(cls, props: Properties, loss_id: int = 0) -> "LossScaler":
+    def from_properties(cls, props: Properties, loss_id: int = 0) -> "AmpScaler":
         """The scaler for ``loss_id`` of a session's properties.
 
         Args:
@@ -151,7 +155,7 @@ class LossScaler:
             loss_id (int, optional): the loss it serves. Default: 0.
 
         Returns:
-            LossScaler: a new scaler.
+            AmpScaler: a new scaler.
         """
         return cls(props.loss_scale, loss_id=loss_id, min_loss_scale=props.min_loss_scale,
                    max_loss_scale=props.max_loss_scale,
@@ -249,7 +253,7 @@ class LossScaler:
         Example::
 
             >>> from amp_patch.properties import Properties
-            >>> scaler = LossScaler.from_properties(Properties.from_opt_level("O2", torch.float16))
+            >>> scaler = AmpScaler.from_properties(Properties.from_opt_level("O2", torch.float16))
             >>> loss_fn(model(x), y).backward()
             >>> norms = scaler.check([p.grad for p in model.parameters()])
             >>> scaler.update()   # the one host sync: True on overflow
@@ -433,7 +437,7 @@ class LossScaler:
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
-        return (f"LossScaler(id={self.loss_id}, {kind}, scale={self._scale}, "
+        return (f"AmpScaler(id={self.loss_id}, {kind}, scale={self._scale}, "
                 f"unskipped={self._unskipped})")
 
 

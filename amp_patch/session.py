@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from amp_patch.optim import OptimizerRecord
     from amp_patch.patching.state import CastState
     from amp_patch.properties import Properties
-    from amp_patch.scaler import LossScaler
+    from amp_patch.scaler import AmpScaler
 
 __all__ = ["AmpSession", "current", "require", "activate", "reset"]
 
@@ -51,7 +51,7 @@ class AmpSession:
             cache); None when torch is not patched.
         optimizer_records (dict): ``id(optimizer)`` to its
             :class:`~amp_patch.optim.OptimizerRecord`.
-        scalers (list of LossScaler): one per ``loss_id``.
+        scalers (list of AmpScaler): one per ``loss_id``.
         scale_loss_open (bool): True inside a :func:`amp_patch.scale_loss` block
             (they cannot be nested).
         serial (int): this session's number in the process, for messages.
@@ -71,7 +71,7 @@ class AmpSession:
         self.optimizers = optimizers
         self.casts: CastState | None = None
         self.optimizer_records: dict[int, OptimizerRecord] = {}
-        self.scalers: list[LossScaler] = []
+        self.scalers: list[AmpScaler] = []
         self.scale_loss_open = False
         self.serial = next(_serials)
         self.cpu_half: CpuHalfPlan | None = None

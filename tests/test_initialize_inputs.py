@@ -80,11 +80,11 @@ def _fail_after_masters(monkeypatch):
 
 
 def _fail_in_scalers(monkeypatch):
-    from amp_patch.scaler import LossScaler
+    from amp_patch.scaler import AmpScaler
 
     def boom(*_, **__):
         raise RuntimeError("injected failure")
-    monkeypatch.setattr(LossScaler, "from_properties", boom)
+    monkeypatch.setattr(AmpScaler, "from_properties", boom)
 
 
 def _state(model, opt):

@@ -1,4 +1,4 @@
-"""LossScaler: the update rule, floors and ceilings, collapse, device tensors, checkpoint state."""
+"""AmpScaler: the update rule, floors and ceilings, collapse, device tensors, checkpoint state."""
 
 from __future__ import annotations
 
@@ -8,21 +8,21 @@ import pytest
 import torch
 
 from amp_patch.properties import Properties
-from amp_patch.scaler import LossScaleCollapseError, LossScaler, group_by_device_and_dtype
+from amp_patch.scaler import LossScaleCollapseError, AmpScaler, group_by_device_and_dtype
 
 
-def overflow(scaler: LossScaler, device="cpu") -> bool:
+def overflow(scaler: AmpScaler, device="cpu") -> bool:
     scaler.device_tensors(torch.device(device)).found_inf.fill_(1.0)
     return scaler.update()
 
 
-def clean(scaler: LossScaler, device="cpu") -> bool:
+def clean(scaler: AmpScaler, device="cpu") -> bool:
     scaler.device_tensors(torch.device(device))
     return scaler.update()
 
 
 def test_dynamic_start_halve_double_and_cap():
-    s = LossScaler("dynamic")
+    s = AmpScaler("dynamic")
     assert s.loss_scale == 2.0**16
     assert overflow(s) is True and s.loss_scale == 2.0**15
     for _ in range(1999):
@@ -30,7 +30,7 @@ def test_dynamic_start_halve_double_and_cap():
     assert s.loss_scale == 2.0**15
     clean(s)
     assert s.loss_scale == 2.0**16 and s.state_dict()["unskipped"] == 0
-    capped = LossScaler("dynamic", max_loss_scale=2.0**10)
+    capped = AmpScaler("dynamic", max_loss_scale=2.0**10)
     assert capped.loss_scale == 2.0**10
     for _ in range(2000):
         clean(capped)
@@ -38,7 +38,7 @@ def test_dynamic_start_halve_double_and_cap():
 
 
 def test_overflow_resets_the_clean_count():
-    s = LossScaler("dynamic", scale_window=3)
+    s = AmpScaler("dynamic", scale_window=3)
     clean(s), clean(s), overflow(s), clean(s), clean(s)
     assert s.loss_scale == 2.0**15
     clean(s)
@@ -46,7 +46,7 @@ def test_overflow_resets_the_clean_count():
 
 
 def test_static_scale_never_changes_but_reports_overflow():
-    s = LossScaler(128.0)
+    s = AmpScaler(128.0)
     assert overflow(s) and s.loss_scale == 128.0
     for _ in range(2000):
         clean(s)
@@ -54,7 +54,7 @@ def test_static_scale_never_changes_but_reports_overflow():
 
 
 def test_min_loss_scale_floors_then_collapses():
-    s = LossScaler("dynamic", min_loss_scale=2.0**14)
+    s = AmpScaler("dynamic", min_loss_scale=2.0**14)
     overflow(s), overflow(s)
     assert s.loss_scale == 2.0**14
     with pytest.raises(LossScaleCollapseError, match="non-finite"):
@@ -62,7 +62,7 @@ def test_min_loss_scale_floors_then_collapses():
 
 
 def test_default_floor_collapse_names_parameters():
-    s = LossScaler("dynamic", max_loss_scale=2.0**-23)
+    s = AmpScaler("dynamic", max_loss_scale=2.0**-23)
     overflow(s)
     assert s.loss_scale == 2.0**-24
     with pytest.raises(LossScaleCollapseError, match=r"fc\.weight"):
@@ -71,7 +71,7 @@ def test_default_floor_collapse_names_parameters():
 
 
 def test_overflow_message_exact(caplog):
-    s = LossScaler("dynamic", loss_id=1)
+    s = AmpScaler("dynamic", loss_id=1)
     logging.getLogger("amp_patch").setLevel(logging.INFO)
     with caplog.at_level(logging.INFO, logger="amp_patch"):
         overflow(s)
@@ -80,7 +80,7 @@ def test_overflow_message_exact(caplog):
 
 
 def test_device_tensors_lazy_and_follow_scale():
-    s = LossScaler("dynamic")
+    s = AmpScaler("dynamic")
     assert not s._devices
     dev = s.device_tensors(torch.device("cpu"))
     assert dev.inv_scale.item() == 2.0**-16 and dev.found_inf.item() == 0.0
@@ -89,11 +89,11 @@ def test_device_tensors_lazy_and_follow_scale():
 
 
 def test_no_flags_means_no_overflow():
-    assert LossScaler("dynamic").update() is False
+    assert AmpScaler("dynamic").update() is False
 
 
 def test_check_loss_flags_nonfinite_loss():
-    s = LossScaler("dynamic")
+    s = AmpScaler("dynamic")
     s.check_loss(torch.tensor(1.0))
     assert s.update() is False
     s.check_loss(torch.tensor(float("nan")))
@@ -101,11 +101,11 @@ def test_check_loss_flags_nonfinite_loss():
 
 
 def test_state_dict_roundtrip():
-    s = LossScaler("dynamic")
+    s = AmpScaler("dynamic")
     overflow(s), clean(s), clean(s)
     sd = s.state_dict()
     assert sd["loss_scale"] == 2.0**15 and sd["unskipped"] == 2 and sd["skipped"] == 1
-    t = LossScaler("dynamic")
+    t = AmpScaler("dynamic")
     t.device_tensors(torch.device("cpu"))
     t.load_state_dict(sd)
     assert t.state_dict() == sd
@@ -116,9 +116,9 @@ def test_state_dict_roundtrip():
 
 def test_from_properties():
     props = Properties.from_opt_level("O2", torch.float16, min_loss_scale=1.0, max_loss_scale=2.0**20)
-    s = LossScaler.from_properties(props, loss_id=2)
+    s = AmpScaler.from_properties(props, loss_id=2)
     assert s.dynamic and s.loss_id == 2 and s.min_loss_scale == 1.0 and s.loss_scale == 2.0**16
-    assert not LossScaler.from_properties(Properties.from_opt_level("O2", torch.bfloat16)).dynamic
+    assert not AmpScaler.from_properties(Properties.from_opt_level("O2", torch.bfloat16)).dynamic
 
 
 def test_unscale_one_call_per_kind_and_group(monkeypatch):
@@ -128,7 +128,7 @@ def test_unscale_one_call_per_kind_and_group(monkeypatch):
     for name in ("multi_tensor_unscale_", "multi_tensor_unscale_copy_", "multi_tensor_axpby_"):
         orig = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, _n=name, _o=orig: (calls.append((_n, len(a[0]))), _o(*a)))
-    s = LossScaler(4.0)
+    s = AmpScaler(4.0)
     g32 = [torch.full((3,), 4.0) for _ in range(3)]
     g16 = [torch.full((2,), 4.0, dtype=torch.bfloat16) for _ in range(2)]
     src = [torch.full((2,), 4.0, dtype=torch.bfloat16) for _ in range(2)]

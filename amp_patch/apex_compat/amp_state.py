@@ -20,7 +20,7 @@ from typing import Any
 from amp_patch import _logging, session as _session
 from amp_patch.legacy import AmpHandle
 from amp_patch.handle import master_params
-from amp_patch.scaler import LossScaler
+from amp_patch.scaler import AmpScaler
 
 __all__ = ["AmpState", "LossScalerView", "OptPropertiesView", "amp_state", "master_params"]
 
@@ -76,12 +76,12 @@ _SCALE_LOSS_DOES_IT = ("amp.scale_loss(loss, optimizer) unscales the gradients, 
 class LossScalerView(_View):
     """One loss scaler, with the attributes of Apex's ``apex.amp.scaler.LossScaler``.
 
-    Reads and writes go to the amp_patch :class:`~amp_patch.scaler.LossScaler`
+    Reads and writes go to the amp_patch :class:`~amp_patch.scaler.AmpScaler`
     behind it: setting ``_loss_scale`` changes the scale that the next
     :func:`amp_patch.scale_loss` (or ``FP16_Optimizer.backward``) uses.
 
     Args:
-        scaler (amp_patch.scaler.LossScaler): the scaler to show.
+        scaler (amp_patch.scaler.AmpScaler): the scaler to show.
 
     Example::
 
@@ -105,7 +105,7 @@ class LossScalerView(_View):
     _default_hint = ("amp.state_dict() and amp.load_state_dict() save and restore the scale and "
                      "the count of clean iterations.")
 
-    def __init__(self, scaler: LossScaler) -> None:
+    def __init__(self, scaler: AmpScaler) -> None:
         object.__setattr__(self, "_scaler", scaler)
 
     def loss_scale(self) -> float:

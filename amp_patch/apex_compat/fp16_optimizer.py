@@ -6,7 +6,7 @@ master weights, loss scaling, skipped steps) and called
 ``optimizer.backward(loss)`` instead of ``loss.backward()``. BERT fine-tuning
 scripts and many trainers of 2018-2020 do exactly that. The classes here keep
 Apex's signatures and behaviour, built on amp_patch's parts:
-:class:`amp_patch.scaler.LossScaler` for the scale and the overflow flag (one
+:class:`amp_patch.scaler.AmpScaler` for the scale and the overflow flag (one
 host sync per step) and the fused ops of :mod:`amp_patch.ops` for unscaling
 into the masters, the gradient norm and the copy back into the model.
 
@@ -255,9 +255,9 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
         self.first_closure_call_this_step = True
 
     def _make_scaler(self, static_loss_scale: float,
-                     dynamic_loss_args: dict | None) -> _scaler.LossScaler:
+                     dynamic_loss_args: dict | None) -> _scaler.AmpScaler:
         if not self.dynamic_loss_scale:
-            return _scaler.LossScaler(float(static_loss_scale))
+            return _scaler.AmpScaler(float(static_loss_scale))
         args = dict(_DYNAMIC_DEFAULTS)
         unknown = sorted(set(dynamic_loss_args or {}) - set(args))
         if unknown:
@@ -268,7 +268,7 @@ class FP16_Optimizer:  # noqa: N801 - Apex's name
             logger.warning("FP16_Optimizer: dynamic_loss_args scale_factor=%s is ignored, as in "
                            "Apex: the scale halves on overflow and doubles after scale_window "
                            "clean steps", args["scale_factor"])
-        scaler = _scaler.LossScaler("dynamic", min_loss_scale=args["min_loss_scale"],
+        scaler = _scaler.AmpScaler("dynamic", min_loss_scale=args["min_loss_scale"],
                                     max_loss_scale=args["max_loss_scale"],
                                     scale_window=args["scale_window"])
         scaler.loss_scale = min(args["max_loss_scale"], args["init_scale"])

@@ -297,10 +297,10 @@ class FP16_Optimizer(fp16_optimizer.FP16_Optimizer):  # noqa: N801 - Apex's name
         self._model_params = dict(zip(self.all_fp32_from_fp16_params, self.all_fp16_params))
 
     def _make_scaler(self, static_loss_scale: float,
-                     dynamic_loss_args: dict | None) -> _scaler.LossScaler:
+                     dynamic_loss_args: dict | None) -> _scaler.AmpScaler:
         if not self.dynamic_loss_scale:
             return super()._make_scaler(static_loss_scale, None)
-        return _scaler.LossScaler("dynamic", min_loss_scale=1.0, max_loss_scale=math.inf,
+        return _scaler.AmpScaler("dynamic", min_loss_scale=1.0, max_loss_scale=math.inf,
                                   scale_window=1000)
 
     @property

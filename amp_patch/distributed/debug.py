@@ -40,7 +40,7 @@ import torch
 from amp_patch.distributed import agree
 
 if TYPE_CHECKING:
-    from amp_patch.scaler import LossScaler
+    from amp_patch.scaler import AmpScaler
     from amp_patch.session import AmpSession
 
 __all__ = ["ENV_VAR", "RanksDisagreeError", "RankCheck", "enabled", "install"]
@@ -127,13 +127,13 @@ class RankCheck:
                                           session.scalers[loss_id].loss_scale, entries, made,
                                           digest])
 
-    def at_exit(self, session: "AmpSession", scaler: "LossScaler", unscaled: int,
+    def at_exit(self, session: "AmpSession", scaler: "AmpScaler", unscaled: int,
                 deferred: int, overflow: bool) -> None:
         """Compare the decisions of the exit, after the scaler's update.
 
         Args:
             session (AmpSession): the live session.
-            scaler (LossScaler): the exit's scaler.
+            scaler (AmpScaler): the exit's scaler.
             unscaled (int): gradients passed to the unscale passes.
             deferred (int): gradients left scaled for the one-pass O2 step.
             overflow (bool): the (all-reduced) overflow verdict.

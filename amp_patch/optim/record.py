@@ -35,7 +35,7 @@ from amp_patch.scaler import unscale_grads
 from amp_patch.tensors import local_tensor
 
 if TYPE_CHECKING:
-    from amp_patch.scaler import LossScaler, _DeviceTensors
+    from amp_patch.scaler import AmpScaler, _DeviceTensors
 
 __all__ = ["OptimizerRecord", "process"]
 
@@ -215,7 +215,7 @@ class OptimizerRecord:
         prior.clear()
         self.scaled_grads_pending = False
 
-    def defer_unscale(self, scaler: "LossScaler") -> bool:
+    def defer_unscale(self, scaler: "AmpScaler") -> bool:
         """At ``scale_loss`` exit: leave the fresh grads scaled for the one-pass step, if it can.
 
         It applies when the optimizer takes step inputs and nothing is to be
@@ -224,7 +224,7 @@ class OptimizerRecord:
         they stay as they are, in the params, until ``step()``.
 
         Args:
-            scaler (LossScaler): the exit's scaler; its inverse scale is kept.
+            scaler (AmpScaler): the exit's scaler; its inverse scale is kept.
 
         Returns:
             bool: True when deferred; False leaves them to :meth:`collect_unscale`.
