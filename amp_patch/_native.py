@@ -355,6 +355,26 @@ def _jit_unavailable(sources: str | None) -> str | None:
     return None
 
 
+def _jit_cuda_home() -> str | None:
+    """The CUDA toolkit a just-in-time build uses, or None for the CPU kernels only.
+
+    Only with a GPU to run them (torch.cuda.is_available()) and an nvcc in the
+    toolkit: compiling for no GPU takes long and, without TORCH_CUDA_ARCH_LIST, fails.
+    """
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if torch.version.cuda is None or home is None:
+        return None
+    if not os.path.isfile(os.path.join(home, "bin", "nvcc")):
+        logger.debug("amp_patch: no nvcc under CUDA_HOME=%s; compiling the CPU kernels only", home)
+        return None
+    if not torch.cuda.is_available():
+        logger.debug("amp_patch: no CUDA device; compiling the CPU kernels only")
+        return None
+    return home
+
+
 def _try_jit(problem: str | None) -> NativeStatus:
     sources = sources_root()
     why_not = _jit_unavailable(sources)
@@ -367,9 +387,7 @@ def _try_jit(problem: str | None) -> NativeStatus:
                        "(docs/install.md), or make a compiler and ninja available so that the "
                        "kernels are compiled on first use.", problem, why_not, fallback)
         return NativeStatus("reference", f"{problem}; {why_not}")
-    from torch.utils import cpp_extension
-
-    spec = _buildspec.extension_spec(torch, sources, cpp_extension.CUDA_HOME)
+    spec = _buildspec.extension_spec(torch, sources, _jit_cuda_home())
     build_dir = jit_build_dir(spec.with_cuda)
     digest = _sources_digest(spec)
     hit = _cached(build_dir, digest)
