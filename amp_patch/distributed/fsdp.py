@@ -225,6 +225,7 @@ def prepare(session: "AmpSession") -> ShardingPlan | None:
     states = fsdp_states(session.models)
     if not states:
         return None
+    _check_cpu_support(states)
     props = session.props
     half = props.cast_model_type if props.cast_model_type in HALF_DTYPES else None
     keep = bool(props.keep_batchnorm_fp32) and half is not None
@@ -307,6 +308,30 @@ def _conflict(state, given, level: str) -> str:
             f"{given.param_dtype})) asks FSDP to compute in {given.param_dtype}, which opt_level "
             f"{level} does not do. Leave param_dtype unset: amp sets it where the level casts "
             "(O2 all-gathers in half_dtype), and a reduce_dtype you set is kept.")
+
+
+def cpu_fsdp_supported() -> bool:
+    """Whether this torch's FSDP2 can run on the CPU.
+
+    ``fully_shard``'s forward records events on the device's streams; torch 2.6's
+    ``torch.cpu.Stream`` has no ``record_event``, so FSDP2 there runs on CUDA only
+    (2.13 and 2.14 have it).
+
+    Returns:
+        bool: True when ``torch.cpu.Stream.record_event`` exists.
+    """
+    return hasattr(torch.cpu.Stream, "record_event")
+
+
+def _check_cpu_support(states) -> None:
+    if cpu_fsdp_supported():
+        return
+    if any(p.device.type == "cpu" for state in states for p in _sharded_params(state)):
+        raise RuntimeError(
+            f"FSDP2 on the CPU needs a newer torch than {torch.__version__}: fully_shard's "
+            "forward records events on CPU streams, which this release's torch.cpu.Stream "
+            "cannot (no record_event). Shard on CUDA, or upgrade torch (docs/install.md lists "
+            "the tested releases).")
 
 
 def _param_groups(state) -> list:
