@@ -72,7 +72,8 @@ for v in "${versions[@]}"; do
     (cd "$venv/src" && eval AMP_PATCH_REQUIRE_EXT=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider $PYTEST_ARGS) > "$log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && status=1
-    summary=$(grep -E '^=+ .*(passed|failed|error).* in ' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
+    summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped).* in [0-9.]+s' "$log" | tail -1 \
+        | sed 's/=//g; s/^ *//; s/ *$//')
     line="$(date -u +%Y-%m-%dT%H:%MZ) $(hostname) torch $v ($("$venv/bin/python" -c 'import torch; print(torch.version.cuda and "CUDA " + torch.version.cuda + " build" or "CPU build")')): ${summary:-no summary, exit $rc}; install $((built - start)) s, suite $(( $(date +%s) - built )) s"
     echo "$line" | tee -a "$MATRIX_DIR/results.txt"
 done
