@@ -134,7 +134,8 @@ def _extensions():
             build_py = self.get_finalized_command("build_py")
             for ext, path in getattr(self, "_written", []):
                 package = build_py.get_package_dir(ext.name.rpartition(".")[0])
-                shutil.copyfile(path, os.path.join(os.path.abspath(package), buildspec.BUILD_RECORD))
+                target = os.path.join(os.path.abspath(package), buildspec.BUILD_RECORD)
+                shutil.copyfile(path, target)
 
         def get_outputs(self):
             return super().get_outputs() + [self._record_path(e) for e in self.extensions]

@@ -64,7 +64,8 @@ import torch
 
 from amp_patch import _buildspec
 
-__all__ = ["NativeStatus", "load", "status", "module", "cache_root", "jit_build_dir", "sources_root"]
+__all__ = ["NativeStatus", "load", "status", "module", "cache_root", "jit_build_dir",
+           "sources_root"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -130,7 +131,9 @@ _module: types.ModuleType | None = None
 
 
 def cache_root() -> str:
-    """The directory of just-in-time builds: ``$AMP_PATCH_CACHE``, else ``$XDG_CACHE_HOME/amp_patch``.
+    """The directory of just-in-time builds.
+
+    ``$AMP_PATCH_CACHE``, else ``$XDG_CACHE_HOME/amp_patch``, else ``~/.cache/amp_patch``.
 
     Returns:
         str: an absolute path (not created here).
@@ -276,7 +279,8 @@ def _file_lock(path: str) -> Iterator[None]:
 
 def _sources_digest(spec: _buildspec.ExtensionSpec) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([spec.cxx_flags, spec.nvcc_flags, spec.link_flags, spec.with_cuda]).encode())
+    flags = [spec.cxx_flags, spec.nvcc_flags, spec.link_flags, spec.with_cuda]
+    h.update(json.dumps(flags).encode())
     root = spec.include_dirs[0]
     for dirpath, _, files in sorted(os.walk(root)):
         for name in sorted(files):

@@ -209,7 +209,8 @@ def measure(device: str, total: int, repeats: int) -> tuple[float, list[Row]]:
         fb = [torch.randn(FALLBACK_NUMEL, device=device) for _ in range(N_TENSORS)]
         timed("FB", f"multi_tensor_unscale_, fp32, {N_TENSORS} x 64k", "the reference ops (no _C)",
               None, 8 * FALLBACK_NUMEL * N_TENSORS,
-              lambda: ops.multi_tensor_unscale_(fb, found, one), lambda: ops._unscale_ref(fb, found, one))
+              lambda: ops.multi_tensor_unscale_(fb, found, one),
+              lambda: ops._unscale_ref(fb, found, one))
         del fb
 
     bandwidths.sort()

@@ -32,8 +32,8 @@ def test_doctor_reports_versions_kernels_and_hook(capsys):
     rows = _rows(out)
     assert torch.__version__ in rows["torch"]
     assert rows["kernels"].startswith(_native.status().source)
-    for family in ("loss-scaling kernels", "fused optimizers", "O1 wrappers", "CPU half", "compiler",
-                   "CUDA", "import hook"):
+    for family in ("loss-scaling kernels", "fused optimizers", "O1 wrappers", "CPU half",
+                   "compiler", "CUDA", "import hook"):
         assert family in rows, family
     expect = "native" if ops.has_native_kernel("cpu") else "reference"
     assert rows["loss-scaling kernels"].startswith(f"cpu: {expect}")

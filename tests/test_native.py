@@ -1,4 +1,4 @@
-"""Loading amp_patch._C for the running torch: the build record, the mismatch warning, the JIT build.
+"""Loading amp_patch._C for the running torch: build record, mismatch warning, JIT build.
 
 A mismatch is simulated in a subprocess by giving torch another commit
 (``torch.version.git_version``) before amp_patch is imported: the prebuilt

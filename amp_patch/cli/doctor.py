@@ -67,8 +67,12 @@ def _cuda() -> str:
     if torch.version.cuda is None:
         return "none (CPU build of torch)"
     home = cpp_extension.CUDA_HOME
-    nvcc = _first_line([os.path.join(home, "bin", "nvcc"), "--version"], last=True) if home else None
-    toolkit = f"CUDA_HOME={home}" + (f" ({nvcc})" if nvcc else " (no nvcc)") if home else "no CUDA_HOME"
+    nvcc = None
+    if home:
+        nvcc = _first_line([os.path.join(home, "bin", "nvcc"), "--version"], last=True)
+    toolkit = "no CUDA_HOME"
+    if home:
+        toolkit = f"CUDA_HOME={home}" + (f" ({nvcc})" if nvcc else " (no nvcc)")
     if torch.cuda.is_available():
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
         devices = f"{torch.cuda.device_count()} device(s): {', '.join(names)}"
@@ -105,7 +109,8 @@ def families(device_types: list[str] | None = None) -> list[tuple[str, str]]:
             elif native == 0:
                 parts.append(f"{dev}: reference (Python)")
             else:
-                parts.append(f"{dev}: native for {native} of {len(names)} ops, reference for the rest")
+                parts.append(f"{dev}: native for {native} of {len(names)} ops, "
+                             "reference for the rest")
         out.append((family, "; ".join(parts)))
     from amp_patch.patching import wrappers
 
@@ -142,8 +147,9 @@ def report() -> str:
     status = _native.status()
     rec = _native._running_record()
     threads = torch.get_num_threads()
+    build = f"CUDA {rec['cuda']}" if rec["cuda"] else "CPU"
     torch_line = (f"{torch.__version__} (git {(rec['torch_git'] or 'unknown')[:7]}, C++11 ABI "
-                  f"{int(rec['cxx11_abi'])}, {'CUDA ' + rec['cuda'] if rec['cuda'] else 'CPU'} build, "
+                  f"{int(rec['cxx11_abi'])}, {build} build, "
                   f"{'OpenMP' if torch._C.has_openmp else 'no OpenMP'}, {threads} threads)")
     kernels = f"{status.source}: {status.reason}"
     if status.path:
@@ -152,8 +158,9 @@ def report() -> str:
         capability = getattr(_native.module(), "cpu_capability", None)
         if capability is not None:
             kernels += f"\nCPU kernels run with {capability()}"
+    shown = ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS")
     knobs = {k: v for k, v in sorted(os.environ.items())
-             if k.startswith("AMP_PATCH_") or k in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST", "MAX_JOBS")}
+             if k.startswith("AMP_PATCH_") or k in shown}
     rows = [
         ("python", f"{platform.python_version()} ({platform.system()} {platform.machine()})"),
         ("torch", torch_line),
@@ -162,7 +169,8 @@ def report() -> str:
         ("CPU half", cpu_half_support().describe()),
         ("kernels", kernels),
         *families(),
-        ("JIT cache", f"{_native.cache_root()} (AMP_PATCH_JIT={os.environ.get('AMP_PATCH_JIT', '1')})"),
+        ("JIT cache",
+         f"{_native.cache_root()} (AMP_PATCH_JIT={os.environ.get('AMP_PATCH_JIT', '1')})"),
         ("import hook", _import_hook()),
         ("environment", " ".join(f"{k}={v}" for k, v in knobs.items()) or "no AMP_PATCH_* set"),
     ]
@@ -175,9 +183,11 @@ def report() -> str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``doctor`` subcommand."""
     p = sub.add_parser(
-        "doctor", help="report torch, CUDA, compiler and how each kernel family runs (for bug reports)",
+        "doctor",
+        help="report torch, CUDA, compiler and how each kernel family runs (for bug reports)",
         description="Print a short report of this installation: torch, CUDA and compiler versions, "
-                    "the CPU half-compute verdict, whether the loss-scaling kernels, fused optimizers "
+                    "the CPU half-compute verdict, whether the loss-scaling kernels, fused "
+                    "optimizers "
                     "and O1 wrappers run natively (prebuilt or compiled just in time) or on the "
                     "reference Python code and why, and whether the apex import hook is active. "
                     "Paste it into bug reports.",
