@@ -315,7 +315,7 @@ def cpu_fsdp_supported() -> bool:
 
     ``fully_shard``'s forward records events on the device's streams; torch 2.6's
     ``torch.cpu.Stream`` has no ``record_event``, so FSDP2 there runs on CUDA only
-    (2.13 and 2.14 have it).
+    (2.9, 2.13 and 2.14 have it).
 
     Returns:
         bool: True when ``torch.cpu.Stream.record_event`` exists.
