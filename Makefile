@@ -8,6 +8,9 @@
 #   make lint            ruff and mypy alone
 #   make bench           kernel and end-to-end benchmarks -> docs/benchmarks.md
 #   make check-cuda      compile the CUDA kernels against a CUDA build of torch (no GPU needed)
+#   make test-matrix     the suite on torch 2.6.0, 2.9.1, 2.13.0 and 2.14.1, one venv each, cached
+#                        outside the checkout (TORCH_VERSIONS="2.6.0 2.14.1" for fewer; slow,
+#                        several GB per version; not part of `make test`)
 #
 # By default a virtual environment is made in .venv with pinned torch (CPU).
 # To use an interpreter that already has torch (a GPU machine, say), pass it:
@@ -31,10 +34,10 @@ PYTHON := $(PY)
 ENV_STAMP :=
 endif
 
-EXT_SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
+EXT_SOURCES := setup.py pyproject.toml amp_patch/_buildspec.py $(shell find csrc -type f 2>/dev/null)
 EXT_STAMP := build/.ext-stamp-$(subst /,_,$(PYTHON))
 
-.PHONY: demo test test-fast lint bench check-cuda install clean
+.PHONY: demo test test-fast lint test-matrix bench check-cuda install clean
 
 # OpenNMT-py (tests/test_opennmt.py) goes last, with the pinned torch as a constraint so that
 # nothing can replace it; if it cannot be installed, the venv stays as it is and the test skips.
@@ -49,9 +52,11 @@ $(VENV)/.deps-stamp: requirements-dev.txt requirements-nodeps.txt requirements-o
 		|| echo "make: OpenNMT-py's packages did not install; tests/test_opennmt.py will skip"
 	@touch $@
 
+# AMP_PATCH_BUILD_EXT=1: compile amp_patch._C now, against this environment's torch (a plain
+# `pip install .` ships the sources and compiles them on first import instead; docs/install.md).
 $(EXT_STAMP): $(ENV_STAMP) $(EXT_SOURCES)
 	@mkdir -p build
-	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
+	AMP_PATCH_BUILD_EXT=1 $(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
 
 install: $(EXT_STAMP)
@@ -74,6 +79,11 @@ test: install lint
 
 test-fast: install lint
 	AMP_PATCH_REQUIRE_EXT=1 $(PYTHON) -m pytest -q -m "not slow"
+
+# tools/test_matrix.sh: a venv per torch version under ~/.cache/amp_patch/venvs (MATRIX_DIR).
+TORCH_VERSIONS ?=
+test-matrix:
+	tools/test_matrix.sh $(TORCH_VERSIONS)
 
 bench: install
 	$(PYTHON) -m amp_patch bench

@@ -12,7 +12,12 @@ Use it as Apex's ``amp`` was used::
 Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
 """
 
-from amp_patch import cpu_half, ops
+# First: it refuses a torch older than the supported floor with a clear ImportError.
+from amp_patch import (
+    _native,  # noqa: F401
+    cpu_half,
+    ops,
+)
 from amp_patch.apex_compat.multi_tensor_apply import multi_tensor_applier
 from amp_patch.cpu_half import cpu_half_support
 from amp_patch.distributed.checkpoint import load_checkpoint, save_checkpoint

@@ -13,7 +13,9 @@ written once, over that bandwidth). Besides K1-K4 (docs/design.md, "Performance 
 the two ops served for Apex's ``amp_C``, which have no target: UL2,
 ``multi_tensor_unscale_l2norm`` against the same math in torch (foreach
 multiply, then foreach norms), and HYST, ``update_scale_hysteresis`` against
-torch's own scale update (``_amp_update_scale_``, no hysteresis), per call. It prints the table and rewrites the
+torch's own scale update (``_amp_update_scale_``, no hysteresis), per call, and FB,
+``multi_tensor_unscale_`` on 200 x 64k fp32 against the reference ops that serve when
+``amp_patch._C`` is missing or stale (the fallback's cost). It prints the table and rewrites the
 ``kernels-cpu`` / ``kernels-cuda`` section of ``docs/benchmarks.md``.
 """
 
@@ -36,6 +38,8 @@ from amp_patch import ops  # noqa: E402
 from amp_patch.ops import scaling_ops  # noqa: E402
 
 N_TENSORS = 200
+#: Elements per tensor of the FB row (the fallback's cost), as in issue 21's measurement.
+FALLBACK_NUMEL = 65536
 
 
 @dataclass
@@ -199,6 +203,16 @@ def measure(device: str, total: int, repeats: int) -> tuple[float, list[Row]]:
     t = interleaved_median({"ours": hysteresis_calls, "anchor": torch_calls}, repeats=repeats, device=device)
     rows.append(Row("HYST", "update_scale_hysteresis, per call", "torch._amp_update_scale_ (no hysteresis)", None,
                     t["ours"] / calls, t["anchor"] / calls, None))
+
+    # FB: what a missing or stale amp_patch._C costs (docs/install.md): the same op against
+    # the reference body that serves without the compiled kernels, on 200 x 64k fp32 grads.
+    if ops.has_native_kernel(device):
+        fb = [torch.randn(FALLBACK_NUMEL, device=device) for _ in range(N_TENSORS)]
+        timed("FB", f"multi_tensor_unscale_, fp32, {N_TENSORS} x 64k", "the reference ops (no _C)",
+              None, 8 * FALLBACK_NUMEL * N_TENSORS,
+              lambda: ops.multi_tensor_unscale_(fb, found, one),
+              lambda: ops._unscale_ref(fb, found, one))
+        del fb
 
     bandwidths.sort()
     return bandwidths[len(bandwidths) // 2], rows

@@ -13,6 +13,8 @@ import _dist_cases
 import amp_patch as amp
 from training_utils import assert_identical, conv_batch, convnet, mlp, snapshot, train
 
+from amp_patch.distributed.fsdp import cpu_fsdp_supported
+
 
 def _check(group: str, name: str, tmp_path_factory) -> None:
     result = _dist_cases.outcome(group, name, tmp_path_factory)
@@ -23,6 +25,8 @@ def _check(group: str, name: str, tmp_path_factory) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("group,kind", [("w2", "fsdp"), ("w4", "fsdp"), ("w2", "ddp")])
 def test_resume_same_world_size_is_exact(group, kind, tmp_path_factory):
+    if kind == "fsdp" and not cpu_fsdp_supported():
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)")
     _check(group, f"dcp_resume:{kind}", tmp_path_factory)
 
 
@@ -30,6 +34,8 @@ def test_resume_same_world_size_is_exact(group, kind, tmp_path_factory):
 @pytest.mark.parametrize("level", ["O0", "O2"])
 @pytest.mark.parametrize("saved,loaded", [(2, 4), (4, 2)])
 def test_resume_other_world_size_same_losses(level, saved, loaded, tmp_path_factory):
+    if not cpu_fsdp_supported():  # the checkpoints are saved from FSDP2-sharded models
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)")
     group = "w4" if loaded == 4 else "w2-after-w4"
     _check(group, f"reshard_load:{level}:{saved}", tmp_path_factory)
 

@@ -497,8 +497,11 @@ def test_native_cpu_kernel_serves_cpu():
 
 def _run_python(code, **env):
     full_env = {**os.environ, **env}
+    # cwd: not the checkout's root, whose amp_patch/ would shadow an installed (non-editable)
+    # package, which has the compiled _C where the checkout may have none.
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_reference_serves_when_extension_absent():

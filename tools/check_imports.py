@@ -36,7 +36,8 @@ PACKAGE = "amp_patch"
 #: matching pattern wins, so a module can sit in another layer than its package.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaf helpers", ("amp_patch._logging", "amp_patch.tensors", "amp_patch._C",
-                      "amp_patch.distributed.teardown", "amp_patch.distributed.agree")),
+                      "amp_patch.distributed.teardown", "amp_patch.distributed.agree",
+                      "amp_patch._native", "amp_patch._buildspec")),
     ("settings", ("amp_patch.dtypes", "amp_patch.levels", "amp_patch.properties")),
     ("ops", ("amp_patch.ops.*",)),
     ("scaler", ("amp_patch.scaler",)),

@@ -1,4 +1,4 @@
-"""The ``amp-patch`` command: ``compare``, ``run`` and ``bench``."""
+"""The ``amp-patch`` command: ``compare``, ``run``, ``bench`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import amp_patch
-from amp_patch.cli import compare, run
+from amp_patch.cli import compare, doctor, run
 from amp_patch.cli.options import UsageError
 
 __all__ = ["main", "build_parser"]
@@ -23,6 +23,7 @@ examples:
   amp-patch run train.py --epochs 1        # an unchanged `from apex import amp` script
   amp-patch run --device cpu main_amp.py   # a GPU script (.cuda(), streams, nccl) on the CPU
   amp-patch bench                          # kernel and end-to-end benchmarks (source checkout)
+  amp-patch doctor                         # torch, compiler, kernels: a report for bug reports
 
 `amp-patch COMMAND --help` describes each command. Docs: docs/ in the repository.
 """
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_parser(sub)
     run.add_parser(sub)
     _add_bench_parser(sub)
+    doctor.add_parser(sub)
     return parser
 
 

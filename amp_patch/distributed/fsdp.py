@@ -32,7 +32,8 @@ has and raises, naming the supported order.
 .. note::
     This relies on FSDP2 internals of torch 2.13, read at
     ``torch/distributed/fsdp/_fully_shard/``: ``FSDPModule._get_fsdp_state()``,
-    ``FSDPState._mp_policy`` and ``_fsdp_param_groups``, and per param group
+    ``FSDPState._mp_policy`` and ``_fsdp_param_groups`` (``_fsdp_param_group``, a
+    single optional group, before it), and per param group
     ``mp_policy``, ``fsdp_params`` and ``_init_mp_dtypes()`` (what the group's
     lazy init, at the first forward, calls to read the policy), and per
     parameter ``mp_policy``, ``_module_info``, ``reset_sharded_param()`` (what
@@ -137,7 +138,7 @@ class ShardingPlan:
         for state in self.states:
             for module in state._modules:
                 module.reshard()  # the sharded parameters must be the registered ones
-            for group in state._fsdp_param_groups:
+            for group in _param_groups(state):
                 with torch.no_grad():
                     for fsdp_param in group.fsdp_params:
                         fsdp_param.reset_sharded_param()
@@ -186,6 +187,7 @@ def prepare(props: Properties, models: list[nn.Module],
     states = fsdp_states(models)
     if not states:
         return None
+    _check_cpu_support(states)
     half = props.cast_model_type if props.cast_model_type in HALF_DTYPES else None
     keep = bool(props.keep_batchnorm_fp32) and half is not None
     policies = []
@@ -272,22 +274,55 @@ def _conflict(state, given, level: str) -> str:
             "(O2 all-gathers in half_dtype), and a reduce_dtype you set is kept.")
 
 
+def cpu_fsdp_supported() -> bool:
+    """Whether this torch's FSDP2 can run on the CPU.
+
+    ``fully_shard``'s forward records events on the device's streams; torch 2.6's
+    ``torch.cpu.Stream`` has no ``record_event``, so FSDP2 there runs on CUDA only
+    (2.9, 2.13 and 2.14 have it).
+
+    Returns:
+        bool: True when ``torch.cpu.Stream.record_event`` exists.
+    """
+    return hasattr(torch.cpu.Stream, "record_event")
+
+
+def _check_cpu_support(states) -> None:
+    if cpu_fsdp_supported():
+        return
+    if any(p.device.type == "cpu" for state in states for p in _sharded_params(state)):
+        raise RuntimeError(
+            f"FSDP2 on the CPU needs a newer torch than {torch.__version__}: fully_shard's "
+            "forward records events on CPU streams, which this release's torch.cpu.Stream "
+            "cannot (no record_event). Shard on CUDA, or upgrade torch (docs/install.md lists "
+            "the tested releases).")
+
+
+def _param_groups(state) -> list:
+    """The FSDP param groups of a state: a list in torch 2.13, one optional group in 2.6 - 2.9."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def _set_policy(state, policy) -> None:
     state._mp_policy = policy  # read at each forward for the input and output casts
-    for group in state._fsdp_param_groups:
+    for group in _param_groups(state):
         group.mp_policy = policy
         for fsdp_param in group.fsdp_params:
             fsdp_param.mp_policy = policy
 
 
 def _sharded_params(state) -> Iterable[Tensor]:
-    for group in state._fsdp_param_groups:
+    for group in _param_groups(state):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param
 
 
 def _param_modules(state) -> list[nn.Module]:
-    return [fsdp_param._module_info.module for group in state._fsdp_param_groups
+    return [fsdp_param._module_info.module for group in _param_groups(state)
             for fsdp_param in group.fsdp_params]
 
 

@@ -11,7 +11,6 @@ ops are defined.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -133,15 +132,11 @@ def _opmath(*tensors: Tensor) -> torch.dtype:
 
 
 def _load_native() -> bool:
-    if os.environ.get("AMP_PATCH_NO_EXT", "0") == "1":
-        logger.debug("AMP_PATCH_NO_EXT=1: using the reference multi-tensor ops")
-        return False
-    try:
-        from amp_patch import _C  # noqa: F401  (loading it registers the kernels)
-    except ImportError as exc:
-        logger.debug("amp_patch._C is not available (%s); using the reference multi-tensor ops", exc)
-        return False
-    return True
+    # Prebuilt amp_patch._C when it matches this torch, else compiled just in time
+    # (amp_patch/_native.py); False: the reference bodies serve.
+    from amp_patch import _native
+
+    return _native.load().loaded
 
 
 _NATIVE_LOADED = False
@@ -151,7 +146,9 @@ def native_extension_loaded() -> bool:
     """Whether the compiled library ``amp_patch._C`` was loaded.
 
     Returns:
-        bool: True when the C++ kernels were built and imported.
+        bool: True when the C++ kernels were built (at install time, or just in
+        time for the running torch: :func:`amp_patch._native.status` says which)
+        and imported.
 
     Example::
 

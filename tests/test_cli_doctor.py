@@ -1,0 +1,58 @@
+"""``amp-patch doctor``: the installation report for bug reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from amp_patch import _native, ops
+from amp_patch.apex_compat.import_hook import apex_import_hook
+from amp_patch.cli import doctor
+from amp_patch.cli.main import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rows(text: str) -> dict[str, str]:
+    rows = {}
+    for line in text.splitlines()[1:]:
+        if line[:1].strip():
+            name, _, value = line.partition("  ")
+            rows[name.strip()] = value.strip()
+    return rows
+
+
+def test_doctor_reports_versions_kernels_and_hook(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("amp_patch ") and len(out.splitlines()) <= 20  # short enough to paste
+    rows = _rows(out)
+    assert torch.__version__ in rows["torch"]
+    assert rows["kernels"].startswith(_native.status().source)
+    for family in ("loss-scaling kernels", "fused optimizers", "O1 wrappers", "CPU half",
+                   "compiler", "CUDA", "import hook"):
+        assert family in rows, family
+    expect = "native" if ops.has_native_kernel("cpu") else "reference"
+    assert rows["loss-scaling kernels"].startswith(f"cpu: {expect}")
+    assert rows["import hook"].startswith("inactive")
+
+
+def test_doctor_sees_the_import_hook():
+    with apex_import_hook():
+        assert _rows(doctor.report())["import hook"].startswith("active")
+
+
+def test_doctor_names_the_reference_ops_and_why():
+    env = dict(os.environ, AMP_PATCH_NO_EXT="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "amp_patch", "doctor"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = _rows(proc.stdout)
+    assert rows["kernels"] == "reference: AMP_PATCH_NO_EXT=1"
+    assert rows["loss-scaling kernels"].startswith("cpu: reference")
+    assert rows["fused optimizers"].startswith("cpu: reference")
+    assert rows["O1 wrappers"].startswith("Python")
+    assert "AMP_PATCH_NO_EXT=1" in rows["environment"]
