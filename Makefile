@@ -39,7 +39,7 @@ EXT_STAMP := build/.ext-stamp-$(subst /,_,$(PYTHON))
 
 .PHONY: demo test test-fast lint test-matrix bench check-cuda install clean
 
-# OpenNMT-py (tests/test_opennmt.py) goes last, with the pinned torch as a constraint so that
+# OpenNMT-py (tests/apex_compat/test_opennmt.py) goes last, with the pinned torch as a constraint so that
 # nothing can replace it; if it cannot be installed, the venv stays as it is and the test skips.
 $(VENV)/.deps-stamp: requirements-dev.txt requirements-nodeps.txt requirements-onmt.txt \
 		requirements-onmt-nodeps.txt
@@ -49,7 +49,7 @@ $(VENV)/.deps-stamp: requirements-dev.txt requirements-nodeps.txt requirements-o
 	$(VENV)/bin/python -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(VENV)/bin/python -m pip install -q -r requirements-onmt.txt -c requirements-dev.txt \
 		&& $(VENV)/bin/python -m pip install -q --no-deps -r requirements-onmt-nodeps.txt \
-		|| echo "make: OpenNMT-py's packages did not install; tests/test_opennmt.py will skip"
+		|| echo "make: OpenNMT-py's packages did not install; tests/apex_compat/test_opennmt.py will skip"
 	@touch $@
 
 # AMP_PATCH_BUILD_EXT=1: compile amp_patch._C now, against this environment's torch (a plain

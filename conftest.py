@@ -69,11 +69,13 @@ NOT_RUN: dict[str, str] = {
     "amp_patch.cli.cuda_on_cpu.": "CUDA calls mapped to the CPU: runs inside `amp-patch run`",
     "amp_patch.cli.run.run_script": "runs a script file",
     "amp_patch.cli.compare.results.run_compare": (
-        "trains every level in its own process for minutes (tests/test_cli_compare.py runs it)"),
-    "amp_patch.cli.machine.LoadMonitor": "the share depends on the machine's load",
+        "trains every level in its own process for minutes "
+        "(tests/cli/test_cli_compare.py runs it)"),
+    "amp_patch.cli.host_facts.LoadMonitor": "the share depends on the machine's load",
     "amp_patch.cli.options.parse_device": "needs two GPUs",
-    "amp_patch.cli.ranks.launch": "spawns processes, which need an importable entry function",
-    "amp_patch.cli.ranks.shard": "needs an initialized process group",
+    "amp_patch.cli.data_parallel.launch": (
+        "spawns processes, which need an importable entry function"),
+    "amp_patch.cli.data_parallel.shard": "needs an initialized process group",
     "amp_patch.cli.trainer.LevelTrainer": "needs a workload of amp_patch.cli.models",
     "amp_patch.cpu_half.detect.CpuHalfSupport": "the answer depends on the host's CPU",
     "amp_patch.distributed.checkpoint.": "writes and reads a checkpoint under torch.distributed",
@@ -85,8 +87,8 @@ NOT_RUN: dict[str, str] = {
     "amp_patch.ops.optimizer_ops.multi_tensor_novograd_": _SCRIPT,
     "amp_patch.ops.optimizer_ops.multi_tensor_lamb_stage1_": _SCRIPT,
     "amp_patch.ops.optimizer_ops.multi_tensor_lamb_stage2_": _SCRIPT,
-    "amp_patch.optim.checkpoints.install_optimizer_hooks": _SCRIPT,
-    "amp_patch.optim.masters.clear_grads": _SCRIPT,
+    "amp_patch.amp_optimizer.state_dict_hooks.install_optimizer_hooks": _SCRIPT,
+    "amp_patch.amp_optimizer.master_weights.clear_grads": _SCRIPT,
     "amp_patch.optimizers._base.FusedOptimizer.load_state_dict": "reads a checkpoint file",
     "amp_patch.optimizers._base.FusedOptimizer.fused_step_inputs": _SCRIPT,
     "amp_patch.optimizers._base.FusedStepInputs": _SCRIPT,

@@ -23,8 +23,8 @@ from amp_patch.cpu_half import cpu_half_support
 from amp_patch.distributed.checkpoint import load_checkpoint, save_checkpoint
 from amp_patch.distributed.clip import clip_grad_norm_
 from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
-from amp_patch.handle import master_params, scale_loss
-from amp_patch.legacy import init
+from amp_patch.legacy_handle import init
+from amp_patch.loss_scaling import master_params, scale_loss
 from amp_patch.patching.registry import (
     float_function,
     half_function,

@@ -11,13 +11,14 @@ from torch import nn
 
 from amp_patch import (
     _logging,
+    amp_optimizer as _optim,
     cpu_half as _cpu_half,
     levels as _levels,
     model as _model,
     ops as _ops,
-    optim as _optim,
     session as _session,
 )
+from amp_patch.amp_optimizer import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.distributed import (
     agree as _agree,
     debug as _debug,
@@ -25,7 +26,6 @@ from amp_patch.distributed import (
     regather as _regather,
 )
 from amp_patch.dtypes import HALF_DTYPES
-from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.patching import install as _install_patches
 from amp_patch.patching.state import disable_casts
 from amp_patch.properties import Properties

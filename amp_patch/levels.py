@@ -16,7 +16,7 @@ overrides have replaced the row's values:
 - ``patch_torch_functions``: O1 patching (:mod:`amp_patch.patching`)
   wraps torch's functions and Tensor methods;
 - ``keep_batchnorm_fp32``: model casting leaves affine batch norms in fp32;
-- ``master_weights``: the optimizer records (:mod:`amp_patch.optim`) step
+- ``master_weights``: the optimizer records (:mod:`amp_patch.amp_optimizer`) step
   fp32 masters of the half parameters;
 - ``loss_scale``: the loss scalers' start (:mod:`amp_patch.scaler`), with
   float16; with bfloat16 every level's default is a static 1.0.

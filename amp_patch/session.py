@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
+    from amp_patch.amp_optimizer import OptimizerRecord
     from amp_patch.cpu_half import CpuHalfPlan
     from amp_patch.distributed.fsdp import ShardingPlan
-    from amp_patch.optim import OptimizerRecord
     from amp_patch.patching.state import CastState
     from amp_patch.properties import Properties
     from amp_patch.scaler import AmpScaler
@@ -50,7 +50,7 @@ class AmpSession:
         casts (CastState or None): O1 casting state (flag, half dtype, weight
             cache); None when torch is not patched.
         optimizer_records (dict): ``id(optimizer)`` to its
-            :class:`~amp_patch.optim.OptimizerRecord`.
+            :class:`~amp_patch.amp_optimizer.OptimizerRecord`.
         scalers (list of AmpScaler): one per ``loss_id``.
         scale_loss_open (bool): True inside a :func:`amp_patch.scale_loss` block
             (they cannot be nested).

@@ -25,7 +25,7 @@ import torch
 
 import amp_patch
 from amp_patch.cli import models
-from amp_patch.cli.machine import LoadMonitor
+from amp_patch.cli.host_facts import LoadMonitor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     interleaved_median, machine, markdown_table, publish)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 import amp_patch
 from amp_patch import cpu_half
 from amp_patch.cli import models
-from amp_patch.cli.machine import LoadMonitor
+from amp_patch.cli.host_facts import LoadMonitor
 from amp_patch.cli.trainer import LevelTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,8 +1,8 @@
-"""Per-rank memory of the built-in LM at O0-O3 under DDP and FSDP2, with 1, 2 and 4 ranks.
+"""Per-rank memory of the built-in LM at O0-O3 under DDP and FSDP2, with 1, 2 and 4 data_parallel.
 
 Every configuration (mode, level, ranks) runs in its own fresh process group,
 launched as ``amp-patch compare --nproc`` launches its ranks
-(``amp_patch/cli/ranks.py``: torch's elastic agent, gloo over the CPU, NCCL
+(``amp_patch/cli/data_parallel.py``: torch's elastic agent, gloo over the CPU, NCCL
 and one GPU per rank where CUDA is available). Each rank builds the LM
 (``amp_patch/cli/models.py``; ``BENCH_LM`` by default), wraps it in
 DistributedDataParallel or shards it with ``fully_shard`` (each block, then
@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 import amp_patch as amp
 from amp_patch import levels
-from amp_patch.cli import models, ranks
-from amp_patch.cli.machine import cpu_count
+from amp_patch.cli import models, data_parallel
+from amp_patch.cli.host_facts import cpu_count
 from amp_patch.distributed import close_process_group
 from amp_patch.distributed.fsdp import local_tensor
 
@@ -87,12 +87,12 @@ def train(cfg: models.LMConfig, mode: str, level: str, steps: int, device) -> in
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer, batch_fn, loss_fn = models.lm(device=device, config=cfg)
     if mode == "fsdp":
-        ranks.shard(model, optimizer)
+        data_parallel.shard(model, optimizer)
     model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
-    net = ranks.wrap_ddp(model, device) if mode == "ddp" else model
+    net = data_parallel.wrap_ddp(model, device) if mode == "ddp" else model
     state = 0
     for step in range(steps):
-        loss = loss_fn(net, ranks.local_batch(batch_fn(step), rank, world))
+        loss = loss_fn(net, data_parallel.local_batch(batch_fn(step), rank, world))
         with amp.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
         state = max(state, _state_bytes(model, optimizer))
@@ -110,8 +110,8 @@ WARMUP_LM = models.LMConfig(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len
 
 def worker(mode: str, level: str, lm_name: str, steps: int, world: int) -> dict:
     """One rank: its state bytes and peak memory."""
-    torch.set_num_threads(ranks.rank_threads(world, cpu_count()))
-    device = ranks.init_process_group("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(data_parallel.rank_threads(world, cpu_count()))
+    device = data_parallel.init_process_group("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     train(WARMUP_LM, mode, level, 2, device)
     if cuda:
@@ -129,11 +129,11 @@ def worker(mode: str, level: str, lm_name: str, steps: int, world: int) -> dict:
 
 
 def run(mode: str, level: str, world: int, lm_name: str, steps: int) -> dict:
-    """One configuration in a fresh process group; the largest numbers over its ranks."""
+    """One configuration in a fresh process group; the largest numbers over its data_parallel."""
     try:
-        per_rank = ranks.launch(world, worker, mode, level, lm_name, steps, world)
+        per_rank = data_parallel.launch(world, worker, mode, level, lm_name, steps, world)
     except Exception as exc:
-        raise RuntimeError(f"{mode} {level} x{world}: {ranks.failure_text(exc)}") from None
+        raise RuntimeError(f"{mode} {level} x{world}: {data_parallel.failure_text(exc)}") from None
     return {"state": max(r["state"] for r in per_rank.values()),
             "peak": max(r["peak"] for r in per_rank.values())}
 

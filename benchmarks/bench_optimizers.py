@@ -42,7 +42,7 @@ from common import interleaved_median, machine, markdown_table, write_section  #
 
 from amp_patch import ops  # noqa: E402
 from amp_patch.ops import optimizer_ops  # noqa: E402
-from amp_patch.cli.machine import LoadMonitor  # noqa: E402
+from amp_patch.cli.host_facts import LoadMonitor  # noqa: E402
 from amp_patch.optimizers import (  # noqa: E402
     FusedAdagrad,
     FusedAdam,

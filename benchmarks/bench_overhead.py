@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import amp_patch
 from amp_patch import session as amp_session
-from amp_patch.cli.machine import LoadMonitor
+from amp_patch.cli.host_facts import LoadMonitor
 from amp_patch.patching import wrappers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402

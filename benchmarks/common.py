@@ -28,7 +28,7 @@ Each section states the machine, torch version and date it was measured on.
 
 def machine() -> str:
     """A one-line description: GPU name or CPU model, threads, native bf16, torch version, date."""
-    from amp_patch.cli.machine import HostFacts
+    from amp_patch.cli.host_facts import HostFacts
 
     facts = HostFacts.collect("cuda" if torch.cuda.is_available() else "cpu")
     return f"{facts.line()}; {datetime.date.today().isoformat()}"

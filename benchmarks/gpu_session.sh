@@ -46,7 +46,7 @@ if command -v cuobjdump >/dev/null; then
   step resources cuobjdump --dump-resource-usage "$(python3 -c 'import amp_patch._C as m; print(m.__file__)')"
 fi
 # No -x: one failing case must not hide the others. The CUDA cases of
-# tests/test_ops.py cover the launcher's table flushes, a tensor split across
+# tests/ops/test_ops.py cover the launcher's table flushes, a tensor split across
 # launches, 2**31+ elements, streams, graph capture, denormals and alignment.
 pytest_args=(tests -q -rfEs)
 if [[ -n ${PYTEST_MARK:-} ]]; then

@@ -76,10 +76,10 @@ def test_a_type_checking_cycle_fails(package_copy: Path):
 
 
 def test_a_relative_import_is_resolved(package_copy: Path):
-    target = package_copy / "optim" / "masters.py"
+    target = package_copy / "amp_optimizer" / "master_weights.py"
     target.write_text(target.read_text() + "\nfrom ..patching import state\n")
     problems = check_imports.check(package_copy)
-    assert any("amp_patch.optim.masters (optimizer machinery) imports "
+    assert any("amp_patch.amp_optimizer.master_weights (optimizer machinery) imports "
                "amp_patch.patching.state (patching)" in p for p in problems), problems
 
 
@@ -92,7 +92,7 @@ def test_a_module_outside_every_layer_fails(package_copy: Path):
 @pytest.mark.parametrize("module, layer", [
     ("amp_patch.tensors", "leaf helpers"),
     ("amp_patch.properties", "settings"),
-    ("amp_patch.optim.larc", "optimizer machinery"),
+    ("amp_patch.amp_optimizer.larc", "optimizer machinery"),
     ("amp_patch.distributed.fsdp", "model casting"),
     ("amp_patch.patching.state", "patching"),
     ("amp_patch.apex_compat.larc", "apex_compat"),

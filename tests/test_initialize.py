@@ -262,7 +262,7 @@ def test_initialize_deinitialize_initialize():
 
 def test_failure_after_patching_leaves_torch_unpatched(monkeypatch):
     before = _snapshot()
-    import amp_patch.optim as optim
+    import amp_patch.amp_optimizer as optim
 
     def boom(*_):
         raise RuntimeError("optimizer processing failed")

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from amp_patch import _logging, session as _session
-from amp_patch.legacy import AmpHandle
-from amp_patch.handle import master_params
+from amp_patch.legacy_handle import AmpHandle
+from amp_patch.loss_scaling import master_params
 from amp_patch.scaler import AmpScaler
 
 __all__ = ["AmpState", "LossScalerView", "OptPropertiesView", "amp_state", "master_params"]

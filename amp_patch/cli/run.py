@@ -13,7 +13,7 @@ from amp_patch import _logging
 from amp_patch import session as _session
 from amp_patch.apex_compat import import_hook
 from amp_patch.cli.cuda_on_cpu import CudaOnCpu
-from amp_patch.cli.machine import HostFacts, cpu_half_banner
+from amp_patch.cli.host_facts import HostFacts, cpu_half_banner
 from amp_patch.cli.options import UsageError, parse_device
 from amp_patch.cli.trainer import HALF_DTYPES
 from amp_patch.distributed import wait_for_gloo_workers

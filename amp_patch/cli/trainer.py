@@ -16,7 +16,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import amp_patch as amp
 from amp_patch import levels
-from amp_patch.cli import ranks
+from amp_patch.cli import data_parallel
 from amp_patch.dtypes import HALF_DTYPE_NAMES
 
 __all__ = ["LEVELS", "AMP_LEVELS", "HALF_DTYPES", "LevelTrainer", "CpuPeak"]
@@ -49,7 +49,7 @@ class LevelTrainer:
         strategy (str, optional): in a rank of a process group,
             ``"ddp"`` wraps the model in DistributedDataParallel after
             :func:`amp_patch.initialize` and ``"fsdp2"`` shards it with
-            ``fully_shard`` before (see :mod:`amp_patch.cli.ranks`);
+            ``fully_shard`` before (see :mod:`amp_patch.cli.data_parallel`);
             ``loss_fn`` then gets the wrapped model. Default: None, one process.
 
     Attributes:
@@ -69,9 +69,9 @@ class LevelTrainer:
                  strategy: str | None = None) -> None:
         if level not in LEVELS:
             raise ValueError(f"unknown level {level!r}; choose from {', '.join(LEVELS)}")
-        if strategy not in (None, *ranks.STRATEGIES):
+        if strategy not in (None, *data_parallel.STRATEGIES):
             raise ValueError(f"unknown strategy {strategy!r}; choose from "
-                             f"{', '.join(ranks.STRATEGIES)}")
+                             f"{', '.join(data_parallel.STRATEGIES)}")
         self.level = level
         self.device = device
         self.half_dtype = half_dtype
@@ -79,7 +79,7 @@ class LevelTrainer:
         self._sample = sample or (lambda: None)
         self._grad_scaler: torch.amp.GradScaler | None = None
         if strategy == "fsdp2":
-            ranks.shard(model, optimizer)  # amp supports this order: shard, then initialize
+            data_parallel.shard(model, optimizer)  # amp supports this order: shard, then initialize
         if level in AMP_LEVELS:
             model, optimizer = amp.initialize(model, optimizer, opt_level=level,
                                               half_dtype=half_dtype, verbosity=0)
@@ -90,7 +90,7 @@ class LevelTrainer:
             self._grad_scaler = torch.amp.GradScaler(device.type)
         self.model, self.optimizer = model, optimizer
         #: What ``loss_fn`` runs: the model, or its DistributedDataParallel wrapper.
-        self.net = ranks.wrap_ddp(model, device) if strategy == "ddp" else model
+        self.net = data_parallel.wrap_ddp(model, device) if strategy == "ddp" else model
         self._steps_taken = 0
         optimizer.register_step_post_hook(self._count_step)
         self.skipped = False

@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from amp_patch import session as _session
+from amp_patch.amp_optimizer import underlying_optimizer
+from amp_patch.amp_optimizer.state_dict_hooks import MASTERS_KEY
 from amp_patch.frontend import check_scaler_states, load_state_dict, state_dict
 from amp_patch.model import named_parameters
-from amp_patch.optim import underlying_optimizer
-from amp_patch.optim.checkpoints import MASTERS_KEY
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops, session as _session
-from amp_patch.handle import master_params
-from amp_patch.optim import OPTIMIZER_TYPES, underlying_optimizer
+from amp_patch.amp_optimizer import OPTIMIZER_TYPES, underlying_optimizer
+from amp_patch.loss_scaling import master_params
 from amp_patch.tensors import group_by_device_and_dtype, local_tensor
 
 __all__ = ["clip_grad_norm_"]

@@ -57,7 +57,7 @@ from amp_patch.model import kept_fp32
 from amp_patch.tensors import local_tensor, local_tensors  # re-exported: public here
 
 if TYPE_CHECKING:
-    from amp_patch.optim import OptimizerRecord
+    from amp_patch.amp_optimizer import OptimizerRecord
     from amp_patch.properties import Properties
 
 __all__ = ["ShardingPlan", "prepare", "local_tensor", "local_tensors", "is_sharded", "fsdp_states",

@@ -8,7 +8,7 @@ writes each once.
 
 Where a step reads its grads and what it writes besides the params can be
 redirected with :class:`FusedStepInputs`. That is the one seam between these
-optimizers and amp's O2 (:mod:`amp_patch.optim` hands the inputs to any
+optimizers and amp's O2 (:mod:`amp_patch.amp_optimizer` hands the inputs to any
 optimizer that has ``fused_step_inputs``): every step writes the half model
 params in the same pass as the fp32 masters, and the one-pass step also
 reads the half model grads, still scaled, times the inverse loss scale.

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from amp_patch.patching import rnn
-from amp_patch.patching.derive import Spelling, spellings
 from amp_patch.patching.dynamo import RULES as _DYNAMO_RULES
+from amp_patch.patching.op_spellings import Spelling, spellings
 from amp_patch.patching.patcher import Patcher
 from amp_patch.patching.registry import REGISTRY
 from amp_patch.patching.state import CastState, active, disable_casts, set_active

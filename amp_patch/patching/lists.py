@@ -1,6 +1,6 @@
 """The O1 cast lists: data only.
 
-A list names ops, not spellings. :mod:`amp_patch.patching.derive` finds
+A list names ops, not spellings. :mod:`amp_patch.patching.op_spellings` finds
 every place where the installed torch exposes each op (``torch``,
 ``torch.nn.functional``, the ``Tensor`` method and its operators, the
 in-place forms, ``torch.special`` and ``torch.linalg``, the aliases that

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from amp_patch.cli import machine, models, ranks
+from amp_patch.cli import data_parallel, host_facts, models
 from amp_patch.cli.compare.plot import write_plot
 from amp_patch.cli.compare.results import run_compare
 from amp_patch.cli.compare.table import render_table
@@ -42,7 +42,7 @@ Timing: every level process builds its model and trains --warmup untimed
 steps; then, in each of --rounds timed rounds, the levels train their share
 of the remaining steps in turn (round-robin, the first level rotating), so
 that other load on the machine falls on all of them alike. A speed needs at
-least {machine.MIN_ROUNDS} timed rounds to be shown. The host (CPU or GPU, threads,
+least {host_facts.MIN_ROUNDS} timed rounds to be shown. The host (CPU or GPU, threads,
 native bf16), torch's version and the load average before and after are
 recorded; a warning says when the load, or the spread between rounds, makes
 the ratios unreliable.
@@ -121,7 +121,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="train each level data-parallel over N ranks on this machine (default: 1, "
                         "one process per level)")
-    p.add_argument("--strategy", choices=ranks.STRATEGIES, default=None,
+    p.add_argument("--strategy", choices=data_parallel.STRATEGIES, default=None,
                    help="how the ranks share the model: ddp (DistributedDataParallel, the default "
                         "with --nproc) or fsdp2 (fully_shard); given with --nproc 1, one rank")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and data (default: 0)")
@@ -252,10 +252,10 @@ def _main(ns: argparse.Namespace) -> int:
     if not console.is_terminal:
         # A log file has no width; 80 columns would crop the table.
         console = Console(width=max(console.width, 132))
-    host = machine.HostFacts.collect(job["device"])
-    notes = [note for note in (machine.cpu_half_banner(host, job["half_dtype"]),) if note]
+    host = host_facts.HostFacts.collect(job["device"])
+    notes = [note for note in (host_facts.cpu_half_banner(host, job["half_dtype"]),) if note]
     levels = list(dict.fromkeys(ns.levels or LEVELS))
-    if ns.levels is None and machine.autocast_is_slow(host, job["half_dtype"]):
+    if ns.levels is None and host_facts.autocast_is_slow(host, job["half_dtype"]):
         # amp_patch emulates half matmuls for its own levels only; torch.autocast would take
         # many times O0's time here and hold up the whole comparison.
         levels.remove("autocast")
@@ -264,7 +264,7 @@ def _main(ns: argparse.Namespace) -> int:
                      "its steps would take many times O0's. Name it in --levels to run it anyway.")
     for note in notes:
         console.print(Panel(note, title="CPU half precision", border_style="yellow"))
-    crowded = machine.oversubscribed(job["nproc"], host.cpus) if job["strategy"] else None
+    crowded = host_facts.oversubscribed(job["nproc"], host.cpus) if job["strategy"] else None
     if crowded:
         console.print(Panel(crowded, title="more ranks than CPUs", border_style="yellow"))
 
@@ -295,7 +295,7 @@ def _main(ns: argparse.Namespace) -> int:
                               torch=torch.__version__, threads=comparison.host.threads,
                               elapsed_s=elapsed),
                "machine": comparison.host.as_dict(), "load": comparison.load.as_dict(),
-               "cpu_half_plan": machine.cpu_half_plan(host, job["half_dtype"]),
+               "cpu_half_plan": host_facts.cpu_half_plan(host, job["half_dtype"]),
                "warnings": comparison.warnings, "notes": notes,
                "levels": {r.level: r.to_json() for r in comparison.results}}
     json_paths = [ns.json] if ns.json else []

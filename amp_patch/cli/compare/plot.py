@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from amp_patch.cli import machine
+from amp_patch.cli import host_facts
 from amp_patch.cli.compare.results import Comparison, LevelResult
 
 __all__ = ["write_plot"]
@@ -61,8 +61,9 @@ def write_plot(comparison: Comparison, path: Path, title: str) -> None:
     ax_scale.grid(alpha=0.3)
     _spread_panel(ax_speed, results, lambda r: r.round_steps_per_s, lambda r: r.steps_per_s,
                   "steps/s (median, min-max, rounds)", 1.0)
-    if len(comparison.rounds) < machine.MIN_ROUNDS:
-        ax_speed.text(0.5, 0.5, f"fewer than {machine.MIN_ROUNDS} timed rounds:\nno speed figures",
+    if len(comparison.rounds) < host_facts.MIN_ROUNDS:
+        ax_speed.text(0.5, 0.5,
+                      f"fewer than {host_facts.MIN_ROUNDS} timed rounds:\nno speed figures",
                       transform=ax_speed.transAxes, ha="center", va="center", color="dimgray")
     if comparison.strategy is not None:
         _spread_panel(ax_mem, results, lambda r: r.rank_peak_memory_bytes or [],

@@ -1,7 +1,7 @@
 """``amp-patch compare``'s results: what each level produced, and the run that measures them.
 
 :func:`run_compare` trains every level in its own process, timed
-round-robin (:mod:`amp_patch.cli.rounds`), and returns a :class:`Comparison`:
+round-robin (:mod:`amp_patch.cli.round_robin`), and returns a :class:`Comparison`:
 one :class:`LevelResult` per level, the host and the load. The table
 (:mod:`~amp_patch.cli.compare.table`), the plot (:mod:`~amp_patch.cli.compare.plot`)
 and the JSON of the command (:mod:`~amp_patch.cli.compare.command`) are made from it.
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from amp_patch.cli import machine
+from amp_patch.cli import host_facts
 from amp_patch.cli.progress import make_progress
-from amp_patch.cli.rounds import JobSpec, LevelRecord, measure, split_steps
+from amp_patch.cli.round_robin import JobSpec, LevelRecord, measure, split_steps
 from amp_patch.cli.trainer import LEVELS
 
 __all__ = ["LEVELS", "LevelResult", "Comparison", "derive", "run_compare"]
@@ -34,7 +34,7 @@ class LevelResult:
         error (str or None): the traceback when it did not.
         steps_per_s (float or None): median over timed rounds of the
             round's steps per second; None with fewer than
-            :data:`~amp_patch.cli.machine.MIN_ROUNDS` rounds.
+            :data:`~amp_patch.cli.host_facts.MIN_ROUNDS` rounds.
         steps_per_s_range (list of float or None): min and max over rounds.
         round_steps_per_s (list of float): every timed round's steps per second.
         speedup_vs_O0 (float or None): median over rounds of this level's
@@ -80,7 +80,7 @@ class LevelResult:
     def from_record(cls, record: LevelRecord) -> "LevelResult":
         """The result of a level from what its process reported."""
         speeds = record.round_speeds
-        enough = len(speeds) >= machine.MIN_ROUNDS
+        enough = len(speeds) >= host_facts.MIN_ROUNDS
         peaks = record.round_peak_bytes
         rank_rounds = record.round_rank_peak_bytes
         rank_peaks = ([max(by_rank) for by_rank in zip(*rank_rounds)] if rank_rounds
@@ -117,7 +117,7 @@ class Comparison:
 
     Attributes:
         results (list of LevelResult): in the order the levels were asked for.
-        host (HostFacts): the machine.
+        host (HostFacts): the host.
         load (LoadMonitor): the load around the run.
         rounds (list of int): steps per level in each timed round.
         warnings (list of str): why the speed ratios may not be trusted.
@@ -126,8 +126,8 @@ class Comparison:
     """
 
     results: list[LevelResult]
-    host: machine.HostFacts
-    load: machine.LoadMonitor
+    host: host_facts.HostFacts
+    load: host_facts.LoadMonitor
     rounds: list[int]
     warnings: list[str] = field(default_factory=list)
     nproc: int = 1
@@ -138,7 +138,7 @@ class Comparison:
         out: dict[str, float | None] = {}
         for r in self.results:
             if r.ok and r.steps_per_s is not None:
-                out[f"{r.level} steps/s"] = machine.relative_spread(r.round_steps_per_s)
+                out[f"{r.level} steps/s"] = host_facts.relative_spread(r.round_steps_per_s)
                 if r.level != "O0" and r.speedup_range is not None and r.speedup_vs_O0:
                     low, high = r.speedup_range
                     out[f"{r.level}/O0"] = (high - low) / r.speedup_vs_O0
@@ -166,7 +166,7 @@ def derive(results: list[LevelResult]) -> None:
         # Ratios within a round: both levels ran minutes apart at most, under the same load.
         ratios = [a / b for a, b in zip(r.round_steps_per_s, base.round_steps_per_s) if b > 0]
         measured = r.steps_per_s is not None and base.steps_per_s is not None
-        if measured and len(ratios) >= machine.MIN_ROUNDS:
+        if measured and len(ratios) >= host_facts.MIN_ROUNDS:
             r.speedup_vs_O0 = statistics.median(ratios)
             r.speedup_range = [min(ratios), max(ratios)]
         diffs = [abs(a - b) for a, b in zip(r.losses, base.losses)]
@@ -206,7 +206,7 @@ def run_compare(job: dict[str, Any], levels: list[str], console=None,
                    seed=job["seed"], batch_size=job["batch_size"], report_steps=True,
                    strategy=strategy, nproc=nproc)
     rounds = split_steps(job["steps"] - job["warmup"], job["rounds"])
-    load = machine.LoadMonitor().start()
+    load = host_facts.LoadMonitor().start()
     with make_progress(levels, job["steps"], console, "compare", progress_interval) as progress:
         failed: set[str] = set()
 
@@ -232,8 +232,8 @@ def run_compare(job: dict[str, Any], levels: list[str], console=None,
     load.stop()
     derive(results)
     threads = next((r.threads for r in results if r.threads), torch.get_num_threads())
-    host = machine.HostFacts.collect(job["device"], threads)
+    host = host_facts.HostFacts.collect(job["device"], threads)
     comparison = Comparison(results, host, load, rounds, nproc=nproc, strategy=strategy)
-    comparison.warnings = machine.reliability_warnings(load, comparison.spreads(), host.cpus,
+    comparison.warnings = host_facts.reliability_warnings(load, comparison.spreads(), host.cpus,
                                                        ranks=nproc if strategy else 1)
     return comparison

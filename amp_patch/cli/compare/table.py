@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from amp_patch.cli import machine
+from amp_patch.cli import host_facts
 from amp_patch.cli.compare.results import Comparison, LevelResult
 
 __all__ = ["render_table", "ranks_line"]
@@ -80,9 +80,9 @@ def render_table(comparison: Comparison, title: str):
                "speed-up and max |Δloss| are against O0 (per round, per step)",
                *filter(None, [ranks_line(comparison)]),
                comparison.host.line(), comparison.load.line()]
-    if len(comparison.rounds) < machine.MIN_ROUNDS:
-        caption.append(f"n/a: a speed needs at least {machine.MIN_ROUNDS} timed rounds, this run "
-                       f"had {len(comparison.rounds)} (raise --steps or --rounds)")
+    if len(comparison.rounds) < host_facts.MIN_ROUNDS:
+        caption.append(f"n/a: a speed needs at least {host_facts.MIN_ROUNDS} timed rounds, "
+                       f"this run had {len(comparison.rounds)} (raise --steps or --rounds)")
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
                   caption="\n".join(caption))
     for i, name in enumerate(headers):

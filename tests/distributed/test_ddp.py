@@ -12,7 +12,7 @@ import torch
 
 from training_utils import free_port
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 STEPS, BAD = 6, 2
 
 WORKER = r"""

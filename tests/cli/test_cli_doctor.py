@@ -13,7 +13,7 @@ from amp_patch.apex_compat.import_hook import apex_import_hook
 from amp_patch.cli import doctor
 from amp_patch.cli.main import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _rows(text: str) -> dict[str, str]:

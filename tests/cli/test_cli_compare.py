@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from amp_patch import levels
-from amp_patch.cli import compare, machine, ranks, rounds
+from amp_patch.cli import compare, host_facts, data_parallel, round_robin
 from amp_patch.cli.compare import command
 from amp_patch.cli.compare import results as compare_results
 from amp_patch.cli import main as cli_main
@@ -28,7 +28,7 @@ from amp_patch.cli import models
 from amp_patch.cli.options import UsageError
 from amp_patch.distributed.fsdp import cpu_fsdp_supported
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -122,7 +122,7 @@ def test_compare_user_factory_and_json_plot_paths(tmp_path):
         assert len(r["round_steps_per_s"]) == 2
         assert r["steps_per_s"] is None and r["speedup_vs_O0"] is None
     assert "n/a: a speed needs at least 3 timed rounds, this run had 2" in proc.stdout
-    assert "CPU half compute:" in proc.stdout  # machine.cpu_half_banner, before the run
+    assert "CPU half compute:" in proc.stdout  # host_facts.cpu_half_banner, before the run
 
 
 class _Levels(Exception):
@@ -183,7 +183,7 @@ def no_workers(monkeypatch):
     def refuse(self):
         raise AssertionError("a level process was started")
 
-    monkeypatch.setattr(rounds.LevelPool, "start", refuse)
+    monkeypatch.setattr(round_robin.LevelPool, "start", refuse)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -287,8 +287,8 @@ def test_lm_optimizer_choices():
 
 
 def test_level_models_build_another_workload_for_some_levels():
-    spec = rounds.JobSpec("mlp", batch_size=4, level_models=(("O2", "convnet"),))
-    records = rounds.measure(spec, ["O0", "O2"], warmup=1, rounds=[])
+    spec = round_robin.JobSpec("mlp", batch_size=4, level_models=(("O2", "convnet"),))
+    records = round_robin.measure(spec, ["O0", "O2"], warmup=1, rounds=[])
     first = models.build(models.BUILTIN["convnet"], batch_size=4)
     first_loss = first.loss_fn(first.model, first.batch_fn(0)).item()
     assert records["O2"].losses[0] == pytest.approx(first_loss, rel=0.05)
@@ -309,18 +309,18 @@ def test_help_has_examples():
 
 
 def test_split_steps_and_spread():
-    assert rounds.split_steps(10, 4) == [3, 3, 2, 2]
-    assert rounds.split_steps(2, 8) == [1, 1]
-    assert rounds.split_steps(0, 8) == []
-    assert machine.relative_spread([1.0]) is None
-    assert machine.relative_spread([9.0, 10.0, 12.0]) == pytest.approx(0.3)
+    assert round_robin.split_steps(10, 4) == [3, 3, 2, 2]
+    assert round_robin.split_steps(2, 8) == [1, 1]
+    assert round_robin.split_steps(0, 8) == []
+    assert host_facts.relative_spread([1.0]) is None
+    assert host_facts.relative_spread([9.0, 10.0, 12.0]) == pytest.approx(0.3)
 
 
 def test_speeds_need_three_rounds_and_ratios_pair_rounds():
-    record = rounds.LevelRecord("O2", round_steps=[2, 2], round_seconds=[1.0, 0.5])
+    record = round_robin.LevelRecord("O2", round_steps=[2, 2], round_seconds=[1.0, 0.5])
     assert compare.LevelResult.from_record(record).steps_per_s is None
-    base = rounds.LevelRecord("O0", round_steps=[2, 2, 2], round_seconds=[1.0, 2.0, 1.0])
-    fast = rounds.LevelRecord("O2", round_steps=[2, 2, 2], round_seconds=[0.5, 1.0, 0.25])
+    base = round_robin.LevelRecord("O0", round_steps=[2, 2, 2], round_seconds=[1.0, 2.0, 1.0])
+    fast = round_robin.LevelRecord("O2", round_steps=[2, 2, 2], round_seconds=[0.5, 1.0, 0.25])
     results = [compare.LevelResult.from_record(r) for r in (base, fast)]
     compare_results.derive(results)
     assert results[0].steps_per_s == 2.0 and results[0].steps_per_s_range == [1.0, 2.0]
@@ -334,7 +334,7 @@ def test_host_line_gives_the_cpu_half_verdict():
 
     for native, word in ((False, "not native"), (True, "native")):
         with cpu_half.override(bfloat16=native):
-            facts = machine.HostFacts.collect("cpu")
+            facts = host_facts.HostFacts.collect("cpu")
             assert f"bf16 {word}," in facts.line()
             assert facts.cpu_half["bf16"]["native"] is native
             assert facts.cpu_model == cpu_half.cpu_half_support().cpu
@@ -342,25 +342,25 @@ def test_host_line_gives_the_cpu_half_verdict():
 
 def test_reliability_warnings():
     # The load average after a run counts the run's own processes: no warning from it.
-    quiet = machine.LoadMonitor(load_before=[0.1, 0.1, 0.1], load_after=[1.9, 0.5, 0.2],
+    quiet = host_facts.LoadMonitor(load_before=[0.1, 0.1, 0.1], load_after=[1.9, 0.5, 0.2],
                                 others_share=0.02)
-    assert machine.reliability_warnings(quiet, {"O2 steps/s": 0.05, "O2/O0": 0.1}, cpus=2) == []
-    busy = machine.LoadMonitor(load_before=[1.8, 1.0, 0.5], load_after=[0.5, 0.5, 0.5],
+    assert host_facts.reliability_warnings(quiet, {"O2 steps/s": 0.05, "O2/O0": 0.1}, cpus=2) == []
+    busy = host_facts.LoadMonitor(load_before=[1.8, 1.0, 0.5], load_after=[0.5, 0.5, 0.5],
                                others_share=0.4)
-    warnings = machine.reliability_warnings(busy, {"O2 steps/s": 0.6, "O1/O0": None}, cpus=2)
+    warnings = host_facts.reliability_warnings(busy, {"O2 steps/s": 0.6, "O1/O0": None}, cpus=2)
     assert len(warnings) == 3
     assert "busy before the run: 1-minute load average 1.80" in warnings[0]
     assert "other processes took 40%" in warnings[1]
     assert "O2 steps/s 60%" in warnings[2]
-    crowded = machine.reliability_warnings(quiet, {}, cpus=2, ranks=3)
-    assert crowded == [machine.oversubscribed(3, 2)] and "3 ranks per level on 2 CPUs" in crowded[0]
-    assert machine.oversubscribed(2, 2) is None
+    crowded = host_facts.reliability_warnings(quiet, {}, cpus=2, ranks=3)
+    assert crowded == [host_facts.oversubscribed(3, 2)] and "3 ranks per level on 2 CPUs" in crowded[0]
+    assert host_facts.oversubscribed(2, 2) is None
 
 
 def test_load_monitor_counts_other_processes():
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        monitor = machine.LoadMonitor().start()
+        monitor = host_facts.LoadMonitor().start()
         deadline = time.perf_counter() + 1.5
         while time.perf_counter() < deadline:
             pass  # this process's own work is not counted as others'
@@ -371,7 +371,7 @@ def test_load_monitor_counts_other_processes():
     if monitor.others_share is None:
         pytest.skip("no /proc/stat here")
     # The busy loop had up to a whole CPU of the machine's; this process's spin is its own.
-    assert monitor.others_share >= 0.2 / machine.cpu_count()
+    assert monitor.others_share >= 0.2 / host_facts.cpu_count()
 
 
 @pytest.mark.slow
@@ -381,7 +381,7 @@ def test_compare_warns_under_injected_load(tmp_path):
     # well over the 20% limit, and leave the other half to compare.
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(max(1, machine.cpu_count() // 2))]
+            for _ in range(max(1, host_facts.cpu_count() // 2))]
     try:
         proc = _compare(tmp_path, "--model", "user_models:make", "--steps", "4",
                         "--levels", "O0", "O3", "--json", "r.json")
@@ -394,7 +394,7 @@ def test_compare_warns_under_injected_load(tmp_path):
     assert "other processes took" in proc.stdout
     data = json.loads((tmp_path / "r.json").read_text())
     assert any("other processes took" in w for w in data["warnings"])
-    assert data["load"]["others_share"] > machine.OTHERS_SHARE_LIMIT
+    assert data["load"]["others_share"] > host_facts.OTHERS_SHARE_LIMIT
 
 
 # --------------------------------------------------------------------------- --nproc
@@ -409,7 +409,7 @@ def test_compare_warns_under_injected_load(tmp_path):
 ])
 def test_compare_nproc_picks_the_strategy_and_warns_of_more_ranks_than_cpus(
         args, strategy, nproc, crowded, monkeypatch, capsys):
-    monkeypatch.setattr(machine, "cpu_count", lambda: 2)
+    monkeypatch.setattr(host_facts, "cpu_count", lambda: 2)
 
     def stop(job, levels, *rest):
         raise _Levels(job)
@@ -440,7 +440,7 @@ def test_local_batch_splits_every_tensor_by_rows():
     Batch = namedtuple("Batch", "x y")
     batch = {"pair": (torch.arange(8).view(4, 2), torch.arange(4)), "scale": torch.tensor(2.0),
              "named": Batch(torch.zeros(4, 3), [torch.ones(4)]), "name": "kept"}
-    half = ranks.local_batch(batch, rank=1, world=2)
+    half = data_parallel.local_batch(batch, rank=1, world=2)
     assert torch.equal(half["pair"][0], torch.tensor([[4, 5], [6, 7]]))
     assert torch.equal(half["pair"][1], torch.tensor([2, 3]))
     assert half["scale"].item() == 2.0 and half["name"] == "kept"
@@ -448,14 +448,14 @@ def test_local_batch_splits_every_tensor_by_rows():
     assert half["named"].y[0].shape == (2,)
     with pytest.raises(ValueError, match=r"shape \(4, 2\) has 4 rows, which do not split evenly "
                                          r"over 3 ranks"):
-        ranks.local_batch(batch, rank=0, world=3)
+        data_parallel.local_batch(batch, rank=0, world=3)
 
 
 def test_the_first_failed_rank_is_reported(tmp_path, monkeypatch):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     monkeypatch.setenv("AMP_PATCH_RANK_CLAIMS", str(tmp_path))
-    assert ranks.first_to_fail() and not ranks.first_to_fail()  # one claim per launch
+    assert data_parallel.first_to_fail() and not data_parallel.first_to_fail()  # one claim per launch
 
     def failure(rank, exitcode, text=None):
         path = tmp_path / f"error{rank}.json"
@@ -467,14 +467,14 @@ def test_the_first_failed_rank_is_reported(tmp_path, monkeypatch):
 
     alike = ChildFailedError("fn", {0: failure(0, 1, "ValueError: no"),
                                     1: failure(1, 1, "ValueError: no")})
-    assert ranks.failure_text(alike) == ("ranks 0, 1 failed (exit code 1):\n"
+    assert data_parallel.failure_text(alike) == ("ranks 0, 1 failed (exit code 1):\n"
                                          "Traceback (most recent call last):\nValueError: no")
     killed = ChildFailedError("fn", {2: failure(2, -9)})
-    assert ranks.failure_text(killed) == "rank 2 ended with signal SIGKILL and left no traceback"
+    assert data_parallel.failure_text(killed) == "rank 2 ended with signal SIGKILL and left no traceback"
 
 
 def test_rank_peaks_in_the_result_and_the_table():
-    record = rounds.LevelRecord("O2", round_steps=[1, 1], round_seconds=[1.0, 1.0],
+    record = round_robin.LevelRecord("O2", round_steps=[1, 1], round_seconds=[1.0, 1.0],
                                 round_peak_bytes=[5 * 2**20, 3 * 2**20],
                                 round_rank_peak_bytes=[[2**20, 5 * 2**20], [3 * 2**20, 2 * 2**20]],
                                 losses=[1.0, 0.5])
@@ -482,8 +482,8 @@ def test_rank_peaks_in_the_result_and_the_table():
     assert result.rank_peak_memory_bytes == [3 * 2**20, 5 * 2**20]
     assert result.peak_memory_bytes == 5 * 2**20
     assert result.to_json()["rank_peak_memory_bytes"] == [3 * 2**20, 5 * 2**20]
-    comparison = compare.Comparison([result], machine.HostFacts.collect("cpu"),
-                                    machine.LoadMonitor(), [1, 1], nproc=2, strategy="ddp")
+    comparison = compare.Comparison([result], host_facts.HostFacts.collect("cpu"),
+                                    host_facts.LoadMonitor(), [1, 1], nproc=2, strategy="ddp")
     buf = io.StringIO()
     Console(file=buf, width=160, color_system=None).print(compare.render_table(comparison, "t"))
     text = buf.getvalue()
@@ -548,7 +548,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 import amp_patch as amp
-from amp_patch.cli import ranks
+from amp_patch.cli import data_parallel
 
 class Net(nn.Module):
     def __init__(self):
@@ -568,7 +568,7 @@ model = Net()
 decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
 rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
 opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
-ranks.shard(model, opt)
+data_parallel.shard(model, opt)
 assert all(isinstance(m, FSDPModule) for m in (model, model.bn, *model.blocks))
 assert not isinstance(model.conv, FSDPModule)  # a plain layer stays in its parent's group
 sharded = dict(model.named_parameters())
@@ -606,10 +606,10 @@ def test_shard_refuses_a_stepped_optimizer_and_stray_tensors():
     model(torch.ones(1, 2)).sum().backward()
     stepped.step()
     with pytest.raises(ValueError, match="the optimizer has stepped already"):
-        ranks.shard(model, stepped)
+        data_parallel.shard(model, stepped)
     stray = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match=r"steps 1 tensor\(s\) that are not parameters of the"):
-        ranks.shard(model, stray)
+        data_parallel.shard(model, stray)
 
 
 @pytest.mark.slow
@@ -633,7 +633,7 @@ def test_a_level_that_died_between_chunks_fails_alone(tmp_path, monkeypatch):
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    with rounds.LevelPool(rounds.JobSpec("user_models:make"), ["O0"]) as pool:
+    with round_robin.LevelPool(round_robin.JobSpec("user_models:make"), ["O0"]) as pool:
         pool.start()
         assert pool.train("O0", 1)
         pool._procs["O0"].kill()  # as the OOM killer would, while the level waits for orders

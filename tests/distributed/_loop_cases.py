@@ -13,7 +13,7 @@ batch (the reference, computed by every rank for itself). It then checks:
 
 The workers run with ``AMP_PATCH_DEBUG_RANKS=1``, so every ``scale_loss`` of
 every case also checks that the ranks made the same amp decisions. Run by
-``tests/test_rank_agreement.py`` through ``_dist_cases.launch``: one group of
+``tests/distributed/test_rank_agreement.py`` through ``_dist_cases.launch``: one group of
 2 processes runs them all.
 """
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amp_patch as amp  # noqa: E402
 import _dist_cases as dc  # noqa: E402

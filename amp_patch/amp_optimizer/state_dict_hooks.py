@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from amp_patch.optim.masters import GROUP_MASTERS_KEY, MasterWeights
+from amp_patch.amp_optimizer.master_weights import GROUP_MASTERS_KEY, MasterWeights
 
 __all__ = ["MASTERS_KEY", "GROUP_MASTERS_KEY", "install_optimizer_hooks"]
 

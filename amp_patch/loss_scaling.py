@@ -9,12 +9,12 @@ import torch
 from torch import Tensor
 
 from amp_patch import session as _session
+from amp_patch.amp_optimizer import OPTIMIZER_TYPES
 from amp_patch.model import named_parameters
-from amp_patch.optim import OPTIMIZER_TYPES
 from amp_patch.scaler import LossScaleCollapseError
 
 if TYPE_CHECKING:
-    from amp_patch.optim import OptimizerRecord
+    from amp_patch.amp_optimizer import OptimizerRecord
 
 __all__ = ["scale_loss", "master_params"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-LEGACY = Path(__file__).resolve().parent.parent / "examples" / "legacy"
+LEGACY = Path(__file__).resolve().parents[2] / "examples" / "legacy"
 
 
 def _run(tmp_path: Path, script: str, *args: str, hook: bool = True,

@@ -4,20 +4,20 @@
 :class:`OptimizerRecord` that holds everything about it. The package is split
 by concept:
 
-- :mod:`~amp_patch.optim.masters`: with master weights, every half
+- :mod:`~amp_patch.amp_optimizer.master_weights`: with master weights, every half
   (fp16/bf16) parameter in ``param_groups`` is replaced by an fp32 master made
   at once (so ``step()`` before any backward works). fp32 parameters stay and
   are stepped directly, so the optimizer makes its state in fp32. After each
   step the masters are copied into the model in one fused
   ``multi_tensor_copy_`` per (device, dtype), and the master grads are
   released, as Apex did: ``model.zero_grad()`` cannot reach them.
-- :mod:`~amp_patch.optim.stepping`: ``step`` (and skipping it),
+- :mod:`~amp_patch.amp_optimizer.patched_methods`: ``step`` (and skipping it),
   ``zero_grad`` and ``add_param_group``, wrapped on the instance so that an
   ``lr_scheduler`` made before or after initialize keeps working.
-- :mod:`~amp_patch.optim.checkpoints`: ``optimizer.state_dict()`` carries the
+- :mod:`~amp_patch.amp_optimizer.state_dict_hooks`: ``optimizer.state_dict()`` carries the
   fp32 masters, and ``load_state_dict`` restores them, so training resumes
   bit-exactly.
-- :mod:`~amp_patch.optim.record`: the record itself, and the grads' way
+- :mod:`~amp_patch.amp_optimizer.optimizer_record`: the record itself, and the grads' way
   through :func:`amp_patch.scale_loss`.
 
 The package imports neither the session nor the O1 patching: what it needs
@@ -34,9 +34,9 @@ keeps its current (half) values.
 
 import torch
 
-from amp_patch.optim.larc import LARC
-from amp_patch.optim.masters import MasterWeights
-from amp_patch.optim.record import OptimizerRecord, process
+from amp_patch.amp_optimizer.larc import LARC
+from amp_patch.amp_optimizer.master_weights import MasterWeights
+from amp_patch.amp_optimizer.optimizer_record import OptimizerRecord, process
 
 __all__ = ["process", "OptimizerRecord", "MasterWeights", "OPTIMIZER_TYPES",
            "underlying_optimizer"]

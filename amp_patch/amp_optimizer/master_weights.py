@@ -21,7 +21,7 @@ from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.tensors import group_by_device_and_dtype
 
 #: The key, in each param group of an O2 optimizer's state dict, of its fp32 masters by position
-#: (None for a param without one); see :mod:`amp_patch.optim.checkpoints`.
+#: (None for a param without one); see :mod:`amp_patch.amp_optimizer.state_dict_hooks`.
 GROUP_MASTERS_KEY = "amp_group_masters"
 
 __all__ = ["MasterWeights", "clear_grads", "match_state_to_params"]

@@ -16,7 +16,7 @@ through :func:`measure`:
 
 With a :attr:`JobSpec.strategy`, a level's process is instead a launcher
 that starts ``nproc`` ranks in a process group of their own
-(:func:`amp_patch.cli.ranks.launch`), which train the level data-parallel,
+(:func:`amp_patch.cli.data_parallel.launch`), which train the level data-parallel,
 each on its slice of every global batch. Rank 0 takes the parent's orders
 and passes them on (one broadcast per chunk), reports the loss of the whole
 batch (the mean over the ranks) and every rank's peak memory; the other
@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from amp_patch.cli import models, ranks
-from amp_patch.cli.machine import cpu_count
+from amp_patch.cli import data_parallel, models
+from amp_patch.cli.host_facts import cpu_count
 from amp_patch.cli.trainer import CpuPeak, LevelTrainer
 from amp_patch.distributed import close_process_group
 from amp_patch.dtypes import HALF_DTYPE_NAMES
@@ -80,7 +80,7 @@ class JobSpec:
         strategy (str, optional): ``"ddp"`` or ``"fsdp2"``: train each level
             over ``nproc`` ranks of its own process group (gloo on the CPU,
             NCCL on CUDA with GPU ``LOCAL_RANK`` per rank); ``batch_size`` is
-            then the global batch, split over the ranks. Default: None, one
+            then the global batch, split over the data_parallel. Default: None, one
             process per level.
         nproc (int, optional): ranks per level under a ``strategy``. Their
             threads default to the CPUs shared out among them. Default: 1.
@@ -237,7 +237,7 @@ class _Level:
 
     def _batch(self, step: int) -> Any:
         batch = self.batch_fn(step)
-        return batch if self.world == 1 else ranks.local_batch(batch, self.rank, self.world)
+        return batch if self.world == 1 else data_parallel.local_batch(batch, self.rank, self.world)
 
     def facts(self) -> dict[str, Any]:
         return {"threads": torch.get_num_threads(), "memory_kind": self.memory.kind}
@@ -259,7 +259,7 @@ class _Level:
                 torch.cuda.synchronize(device)
             chunk["seconds"].append(time.perf_counter() - t0)
             if self.world > 1:  # the loss of the whole global batch; not timed
-                loss = ranks.mean_over_ranks(step_loss)
+                loss = data_parallel.mean_over_ranks(step_loss)
             chunk["losses"].append(loss)
             chunk["scales"].append(self.trainer.loss_scale)
             if self.trainer.skipped:
@@ -313,8 +313,8 @@ def _serve_rank(conn, level: str, spec: JobSpec) -> None:
         os.dup2(devnull, 2)
         os.close(devnull)
     try:
-        torch.set_num_threads(spec.threads or ranks.rank_threads(spec.nproc, cpu_count()))
-        run = _Level(level, spec, ranks.init_process_group(torch.device(spec.device).type))
+        torch.set_num_threads(spec.threads or data_parallel.rank_threads(spec.nproc, cpu_count()))
+        run = _Level(level, spec, data_parallel.init_process_group(torch.device(spec.device).type))
         if lead:
             conn.send(("ready", run.facts()))
         while True:
@@ -333,19 +333,19 @@ def _serve_rank(conn, level: str, spec: JobSpec) -> None:
     except BaseException:
         # The launcher reports the traceback of the rank that failed first; the others
         # were failing because of it, or alike.
-        if ranks.first_to_fail():
+        if data_parallel.first_to_fail():
             raise
         os._exit(0)
 
 
 def _launch(conn, level: str, spec: JobSpec) -> None:
-    """A level's process under a strategy: the elastic agent of its ranks."""
+    """A level's process under a strategy: the elastic agent of its data_parallel."""
     try:
-        ranks.launch(spec.nproc, _serve_rank, conn, level, spec)
+        data_parallel.launch(spec.nproc, _serve_rank, conn, level, spec)
     except BaseException as exc:
         try:
             conn.send(("error", f"{level} over {spec.nproc} ranks ({spec.strategy}): "
-                                f"{ranks.failure_text(exc)}"))
+                                f"{data_parallel.failure_text(exc)}"))
         except (OSError, ValueError):
             pass
 

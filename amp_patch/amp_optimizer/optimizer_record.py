@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 import torch
 from torch import Tensor
 
-from amp_patch.optim.checkpoints import install_optimizer_hooks
-from amp_patch.optim.masters import MasterWeights, match_state_to_params
-from amp_patch.optim.stepping import STEP_INPUTS, PatchedMethods
+from amp_patch.amp_optimizer.master_weights import MasterWeights, match_state_to_params
+from amp_patch.amp_optimizer.patched_methods import STEP_INPUTS, PatchedMethods
+from amp_patch.amp_optimizer.state_dict_hooks import install_optimizer_hooks
 from amp_patch.optimizers import FusedStepInputs
 from amp_patch.scaler import unscale_grads
 from amp_patch.tensors import local_tensor

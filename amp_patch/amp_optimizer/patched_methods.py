@@ -24,11 +24,11 @@ import torch
 import wrapt
 from torch import Tensor
 
-from amp_patch.optim.larc import LARC
-from amp_patch.optim.masters import clear_grads
+from amp_patch.amp_optimizer.larc import LARC
+from amp_patch.amp_optimizer.master_weights import clear_grads
 
 if TYPE_CHECKING:
-    from amp_patch.optim.masters import MasterWeights
+    from amp_patch.amp_optimizer.master_weights import MasterWeights
     from amp_patch.optimizers import FusedStepInputs
 
 __all__ = ["PatchedMethods", "StepRecord", "STEP_INPUTS"]
@@ -47,7 +47,7 @@ _POSITIONS = {"closure": 0, "set_to_none": 0, "param_group": 0}
 class StepRecord(Protocol):
     """What :class:`PatchedMethods` reads and writes of its optimizer's record.
 
-    :class:`amp_patch.optim.OptimizerRecord` is the one implementation; the
+    :class:`amp_patch.amp_optimizer.OptimizerRecord` is the one implementation; the
     methods name only this much of it, so that the record (which installs
     them) and the methods do not import each other.
     """
@@ -73,7 +73,7 @@ class PatchedMethods:
 
     Args:
         record (StepRecord): the record whose flags and masters the methods use
-            (an :class:`~amp_patch.optim.OptimizerRecord`).
+            (an :class:`~amp_patch.amp_optimizer.OptimizerRecord`).
         step_context (callable): returns the context manager ``step()`` runs in
             (O1's casts are disabled there).
 

@@ -35,7 +35,7 @@ import pytest
 import torch
 from torch import nn
 
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "legacy" / "gan_checkpoint_amp.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "legacy" / "gan_checkpoint_amp.py"
 STEPS, SAVE_AT, BATCH, LR, NZ, FEATURES = 6, 3, 16, 0.002, 8, 16
 LINE = re.compile(r"^step (\d+) errD (\S+) errG (\S+)$", re.M)
 

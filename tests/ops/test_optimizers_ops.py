@@ -395,7 +395,7 @@ def test_every_cpu_isa_matches_reference(capability):
     code = textwrap.dedent(
         """
         import sys
-        sys.path.insert(0, "tests")
+        sys.path[:0] = ["tests", "tests/ops"]
         import torch
         from amp_patch import _C
         import test_optimizers_ops as t
@@ -410,5 +410,5 @@ def test_every_cpu_isa_matches_reference(capability):
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0 and proc.stdout.split() == [capability, "ok"], proc.stdout + proc.stderr

@@ -16,7 +16,7 @@ import torch
 from amp_patch.cli import run as cli_run
 from amp_patch.distributed import close_process_group, teardown, wait_for_gloo_workers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fake_tasks(root: Path, threads: dict[str, tuple[str, str]]) -> Path:

@@ -154,7 +154,7 @@ def test_clip_input_errors():
 
 @pytest.mark.slow
 def test_fsdp_example_saves_and_resumes_on_another_world_size(tmp_path):
-    example = Path(__file__).resolve().parent.parent / "examples" / "fsdp_torchrun.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "fsdp_torchrun.py"
 
     def torchrun(nproc: int, *args: str) -> str:
         proc = subprocess.run(

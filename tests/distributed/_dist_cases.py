@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amp_patch as amp  # noqa: E402
 from amp_patch.distributed import close_process_group  # noqa: E402
@@ -332,7 +332,7 @@ def _orders(ctx: Ctx) -> None:
 
 @case("failed_initialize_puts_shards_back")
 def _failed_initialize(ctx: Ctx) -> None:
-    import amp_patch.optim as optim_pkg
+    import amp_patch.amp_optimizer as optim_pkg
 
     model = shard(mlp())
     opt = sgd(model)

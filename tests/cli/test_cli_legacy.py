@@ -13,7 +13,7 @@ import pytest
 
 from amp_patch.levels import NAMES as LEVELS
 
-LEGACY = Path(__file__).resolve().parent.parent / "examples" / "legacy"
+LEGACY = Path(__file__).resolve().parents[2] / "examples" / "legacy"
 
 # Runs one script at every level in one interpreter, through the same entry point as the
 # console script, so that each run also starts from what the previous one left behind.

@@ -14,7 +14,7 @@ import amp_patch
 from amp_patch import optimizers as fused
 from amp_patch.apex_compat import import_hook
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
