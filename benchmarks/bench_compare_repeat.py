@@ -1,7 +1,7 @@
 """Is ``amp-patch compare`` repeatable? Two runs in a row, each ratio against the other's spread.
 
-Issue 12 asks that compare, run twice in a row on the same quiet machine,
-gives speed ratios within its reported spread. That is a property of the
+compare, run twice in a row on the same quiet machine, should give
+speed ratios within its reported spread. That is a property of the
 machine as much as of compare, so it is measured here rather than asserted in
 a test: this script runs ``amp-patch compare`` twice with the same arguments
 and reports, for each level, the first run's speed-up over O0 with its

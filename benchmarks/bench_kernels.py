@@ -38,7 +38,7 @@ from amp_patch import ops  # noqa: E402
 from amp_patch.ops import scaling_ops  # noqa: E402
 
 N_TENSORS = 200
-#: Elements per tensor of the FB row (the fallback's cost), as in issue 21's measurement.
+#: Elements per tensor of the FB row (the fallback's cost), as in the measurement of docs/install.md.
 FALLBACK_NUMEL = 65536
 
 

@@ -1,6 +1,6 @@
 """O1's weight-cast cache on FSDP2 models: a cast lives no longer than the all-gather it cast.
 
-Why this exists (issue 20, a gloo "collective mismatch" at O1). FSDP2 keeps
+Why this exists (a gloo "collective mismatch" at O1, docs/distributed.md). FSDP2 keeps
 one unsharded :class:`~torch.nn.Parameter` per sharded parameter and, at every
 forward of its module, all-gathers into that Parameter's storage, which it
 freed after the previous forward (``storage.resize_(0)``) and now reallocates

@@ -1,4 +1,4 @@
-"""Real training loops on 2 gloo ranks, at every level, on FSDP2 and on DDP (issue 20).
+"""Real training loops on 2 gloo ranks, at every level, on FSDP2 and on DDP (docs/distributed.md).
 
 Every case is ``CASE:STRATEGY:LEVEL`` and runs one loop twice: on the ranks,
 each on its share of every global batch, and in one process on the whole
@@ -39,7 +39,7 @@ from amp_patch.distributed.fsdp import local_tensor  # noqa: E402
 
 CASES: dict[str, Callable[[dc.Ctx], None]] = {}
 STRATEGIES = ("fsdp2", "ddp")
-#: The loops, a to h of issue 20.
+#: The loops, a to h of docs/distributed.md's list of real loops.
 LOOPS = ("eval_grad", "eval_no_grad", "accumulate", "checkpointing", "two_losses", "frozen",
          "overflow_one_rank", "dcp_resume")
 

@@ -1,4 +1,4 @@
-"""Every rank makes the same amp decision, in real training loops (issue 20).
+"""Every rank makes the same amp decision, in real training loops (docs/distributed.md).
 
 The loops of ``_loop_cases.py`` (a: an evaluation forward with grad on
 between steps; b: evaluation under ``no_grad`` and ``eval()``; c: gradient
