@@ -65,6 +65,10 @@ MAPPED = (
      "torch.cuda.cudart().cudaProfilerStart()/Stop(), torch.cuda.profiler", "nothing to do"),
     ("torch.cuda.get_device_capability()",
      "(0, 0): no CUDA architecture, so GPU-only kernels gated on it (flash-attn) stay off"),
+    ("torch.accelerator.is_available(), current_accelerator(); "
+     "torch.backends.cudnn.is_available(), version()",
+     "False, None; False, None: as a CPU build of torch answers, so that torch's own checks "
+     "(the optimizers' graph-capture check) stay on the CPU"),
 )
 
 #: Legacy CUDA tensor types and the CPU types they become (HalfTensor follows the half dtype).
@@ -87,13 +91,17 @@ class CudaNotMappedError(RuntimeError):
     """
 
 
-def _not_mapped(name: str) -> Callable[..., Any]:
+def _not_mapped(name: str, original: Any = None) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise CudaNotMappedError(
             f"{name}() has no CPU mapping under `amp-patch run --device cpu`: it needs a real GPU. "
             "Run the script on a CUDA machine, or guard the call in the script.")
 
     refuse.__name__ = refuse.__qualname__ = name.rsplit(".", 1)[-1]
+    # torch reads the function under a decorator of some torch.cuda names at import
+    # (torch._dynamo takes torch.cuda.use_mem_pool.__wrapped__ from torch 2.14 on).
+    if hasattr(original, "__wrapped__"):
+        refuse.__wrapped__ = original.__wrapped__  # type: ignore[attr-defined]
     return refuse
 
 
@@ -435,6 +443,7 @@ class CudaOnCpu:
             self._patch_devices()
             self._patch_torch_cuda()
             self._patch_precision()
+            self._patch_accelerator()
             self._patch_parallel()
             self._patch_amp_patch()
         except BaseException:
@@ -551,7 +560,7 @@ class CudaOnCpu:
             self._set(cuda, n, value)
         for n, value in own.items():
             if inspect.isfunction(value) or inspect.isbuiltin(value):
-                self._set(cuda, n, _not_mapped(f"torch.cuda.{n}"))
+                self._set(cuda, n, _not_mapped(f"torch.cuda.{n}", value))
             elif (inspect.isclass(value) and not issubclass(value, BaseException)
                   and n not in _TENSOR_TYPES + ("HalfTensor", "cudaStatus")):
                 # CUDAGraph, graph, ExternalStream, MemPool, the storage types, ...;
@@ -567,6 +576,18 @@ class CudaOnCpu:
         self._set(nvtx, "range_pop", lambda: 0)
         self._set(nvtx, "mark", lambda msg: None)
         self._set(nvtx, "range", lambda msg, *args, **kwargs: contextlib.nullcontext())
+
+    def _patch_accelerator(self) -> None:
+        # torch's own code asks torch.accelerator and cudnn, not torch.cuda, whether a GPU
+        # is there (a CUDA build of torch 2.14's optimizers check for graph capture on the
+        # current accelerator's stream); they answer as a CPU build of torch does.
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None:
+            self._set(accelerator, "is_available", lambda: False)
+            self._set(accelerator, "current_accelerator", lambda check_available=False: None)
+        cudnn = torch.backends.cudnn
+        self._set(cudnn, "is_available", lambda: False)
+        self._set(cudnn, "version", lambda: None)
 
     def _patch_precision(self) -> None:
         half = self.half_dtype

@@ -27,7 +27,8 @@ def _namespaces() -> list:
             torch.nn.parallel.DistributedDataParallel,
             importlib.import_module("torch.nn.parallel.data_parallel"), torch.distributed,
             torch.amp.autocast_mode.autocast, torch.amp.GradScaler, amp_patch,
-            importlib.import_module("torch.cuda.profiler")]
+            importlib.import_module("torch.cuda.profiler"), torch.accelerator,
+            torch.backends.cudnn]
 
 
 def _snapshot() -> dict[int, tuple[object, dict]]:
