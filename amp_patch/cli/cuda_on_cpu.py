@@ -30,7 +30,7 @@ import torch
 import amp_patch
 from amp_patch.cpu_half import cpu_half_support
 from amp_patch.dtypes import check_half_dtype
-from amp_patch.patching.patcher import Patcher
+from amp_patch.patching.patcher import Patcher, PatchRecord
 
 __all__ = ["CudaOnCpu", "CudaNotMappedError", "CpuStream", "CpuEvent", "MAPPED"]
 
@@ -502,9 +502,22 @@ class CudaOnCpu:
         self._patch(torch, "set_default_device", lambda original: functools.wraps(original)(
             lambda device: original(_cpu_if_cuda(device))))
 
+    def _add_missing(self, parent: Any, name: str, value: Any) -> None:
+        """Give ``parent`` an attribute this torch lacks; undone by deleting it."""
+        if hasattr(parent, name):
+            return
+        setattr(parent, name, value)
+        self._patcher.records.append(PatchRecord(parent, name, None, owned=False))
+        self.targets.append((parent, name))
+
     def _patch_torch_cuda(self) -> None:
         cuda, rng = torch.cuda, torch.random
         get_state, set_state, initial_seed = rng.get_rng_state, rng.set_rng_state, rng.initial_seed
+        # torch.device("cuda") is the CPU here, so torch's own device-generic code (torch
+        # 2.6's fork_rng) looks the generator up in torch.cpu, which lacks it before 2.9.
+        self._add_missing(torch.cpu, "get_rng_state", lambda device=None: get_state())
+        self._add_missing(torch.cpu, "set_rng_state",
+                          lambda new_state, device=None: set_state(new_state))
         name = f"CPU ({cpu_half_support().cpu}) under amp-patch run --device cpu"
 
         def set_device(device: Any) -> None:

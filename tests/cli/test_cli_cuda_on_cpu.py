@@ -28,7 +28,7 @@ def _namespaces() -> list:
             importlib.import_module("torch.nn.parallel.data_parallel"), torch.distributed,
             torch.amp.autocast_mode.autocast, torch.amp.GradScaler, amp_patch,
             importlib.import_module("torch.cuda.profiler"), torch.accelerator,
-            torch.backends.cudnn]
+            torch.backends.cudnn, torch.cpu]
 
 
 def _snapshot() -> dict[int, tuple[object, dict]]:
