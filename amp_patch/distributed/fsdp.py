@@ -60,8 +60,8 @@ if TYPE_CHECKING:
     from amp_patch.amp_optimizer import OptimizerRecord
     from amp_patch.properties import Properties
 
-__all__ = ["ShardingPlan", "prepare", "local_tensor", "local_tensors", "is_sharded", "fsdp_states",
-           "install_order_guard", "SUPPORTED_ORDER"]
+__all__ = ["ShardingPlan", "prepare", "param_groups", "local_tensor", "local_tensors", "is_sharded",
+           "fsdp_states", "install_order_guard", "SUPPORTED_ORDER"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -138,7 +138,7 @@ class ShardingPlan:
         for state in self.states:
             for module in state._modules:
                 module.reshard()  # the sharded parameters must be the registered ones
-            for group in _param_groups(state):
+            for group in param_groups(state):
                 with torch.no_grad():
                     for fsdp_param in group.fsdp_params:
                         fsdp_param.reset_sharded_param()
@@ -298,7 +298,7 @@ def _check_cpu_support(states) -> None:
             "the tested releases).")
 
 
-def _param_groups(state) -> list:
+def param_groups(state) -> list:
     """The FSDP param groups of a state: a list in torch 2.13, one optional group in 2.6 - 2.9."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
@@ -309,20 +309,20 @@ def _param_groups(state) -> list:
 
 def _set_policy(state, policy) -> None:
     state._mp_policy = policy  # read at each forward for the input and output casts
-    for group in _param_groups(state):
+    for group in param_groups(state):
         group.mp_policy = policy
         for fsdp_param in group.fsdp_params:
             fsdp_param.mp_policy = policy
 
 
 def _sharded_params(state) -> Iterable[Tensor]:
-    for group in _param_groups(state):
+    for group in param_groups(state):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param
 
 
 def _param_modules(state) -> list[nn.Module]:
-    return [fsdp_param._module_info.module for group in _param_groups(state)
+    return [fsdp_param._module_info.module for group in param_groups(state)
             for fsdp_param in group.fsdp_params]
 
 

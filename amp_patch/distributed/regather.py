@@ -31,7 +31,8 @@ re-gather got.
 
 .. note::
     This reads FSDP2 internals of torch 2.13 (``FSDPState._modules``,
-    ``_fsdp_param_groups``, ``FSDPParamGroup.fsdp_params`` and
+    the param groups (:func:`~amp_patch.distributed.fsdp.param_groups`, per torch
+    version), ``FSDPParamGroup.fsdp_params`` and
     ``FSDPParam._unsharded_param``), as :mod:`amp_patch.distributed.fsdp` does.
 """
 
@@ -41,6 +42,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
+
+from amp_patch.distributed.fsdp import param_groups
 
 if TYPE_CHECKING:
     from amp_patch.patching.state import CastState
@@ -60,7 +63,7 @@ def unsharded_params(state) -> Iterator[nn.Parameter]:
         torch.nn.Parameter: the Parameters that FSDP all-gathers into and sets on the
         modules during forward and backward.
     """
-    for group in state._fsdp_param_groups:
+    for group in param_groups(state):
         for fsdp_param in group.fsdp_params:
             param = getattr(fsdp_param, "_unsharded_param", None)
             if param is not None:
