@@ -102,7 +102,7 @@ check-cuda: $(CUDA_VENV)/.deps-stamp
 	PATH="$(CURDIR)/$(CUDA_VENV)/bin:$$PATH" CUDA_HOME=$(CUDA_HOME) \
 	CPATH=$$site/nvidia/cu13/include$${CPATH:+:$$CPATH} \
 	TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" \
-	$(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib \
+	AMP_PATCH_BUILD_EXT=1 $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-check/tmp --build-lib build/cuda-check/lib \
 	&& ls build/cuda-check/lib/amp_patch/_C*.so >/dev/null \
 	&& echo "check-cuda: CPU and CUDA kernels compiled (TORCH_CUDA_ARCH_LIST=$${TORCH_CUDA_ARCH_LIST:-9.0}) in $$(( $$(date +%s) - start )) s"
 
