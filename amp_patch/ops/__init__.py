@@ -23,13 +23,15 @@ may share memory with no other tensor of the call, except that ``dst[i]`` may be
 
 The package is split by concept: :mod:`~amp_patch.ops.scaling_ops` (the ops
 behind loss scaling and master weights), :mod:`~amp_patch.ops.optimizer_ops`
-(the fused optimizer steps) and :mod:`~amp_patch.ops._library` (the namespace,
+(the fused optimizer steps), :mod:`~amp_patch.ops.lean_state_ops` (the same steps over
+block-scaled 8-bit or bf16 state and bf16 params) and :mod:`~amp_patch.ops._library` (the namespace,
 the shared checks, loading the compiled kernels). docs/extending.md says how to
 add an op.
 """
 
 from amp_patch.ops import _library
 from amp_patch.ops._library import has_native_kernel, native_extension_loaded
+from amp_patch.ops.lean_state_ops import multi_tensor_adam_lean_, multi_tensor_sgd_lean_
 from amp_patch.ops.optimizer_ops import (
     multi_tensor_adagrad_,
     multi_tensor_adam_,
@@ -64,6 +66,9 @@ __all__ = [
     "multi_tensor_novograd_",
     "multi_tensor_lamb_stage1_",
     "multi_tensor_lamb_stage2_",
+    # fused optimizer steps over low-precision state
+    "multi_tensor_adam_lean_",
+    "multi_tensor_sgd_lean_",
     # the compiled kernels
     "has_native_kernel",
     "native_extension_loaded",

@@ -1,0 +1,555 @@
+"""Fused optimizer ops over low-precision state: block-scaled 8-bit or bf16 moments, bf16 params.
+
+The lean counterparts of ``multi_tensor_adam_`` and ``multi_tensor_sgd_``
+(:mod:`amp_patch.ops.optimizer_ops`): the same update rule, in the same fp32
+arithmetic, but each state tensor may be stored in a narrow *code* and each
+param may be a bf16 tensor stepped directly. One pass per element reads the
+grad, decodes the state, updates, encodes the state again and writes the param
+(and the half model copy).
+
+**State codes**, chosen by the dtype of each state tensor:
+
+- ``float32``, ``bfloat16``: the value itself (bf16 rounded to nearest even).
+- ``int8`` (signed, for first moments and momentum): linear, block-scaled.
+  Each block of ``block_size`` consecutive elements of a row keeps ``s``, the
+  largest magnitude in it (fp32, in the scales tensor); an element is stored as
+  ``q = rne(x * (127 / s))`` clamped to [-127, 127] and read as
+  ``q * (s / 127)``.
+- ``uint8`` (for second moments, which are never negative): the square root,
+  linear, block-scaled. ``s`` is the block's largest ``sqrt(x)``; an element is
+  stored as ``q = rne(sqrt(x) * (255 / s))`` clamped to [1, 255] and read as
+  ``r * r`` with ``r = q * (s / 255)``. The square root halves the dynamic range
+  a block must hold, and the code never reads back 0 in a block that is not all
+  zero, so no element's denominator ``sqrt(v) + eps`` collapses to ``eps``.
+- ``float8_e4m3fn`` (signed): block-scaled fp8, stored as
+  ``e4m3(x * (448 / s))`` (round to nearest even) and read as ``e4m3 * (s / 448)``.
+
+A block whose largest magnitude is 0 stores codes 0 (it reads back zeros); one
+whose scale factor is not finite (an inf or NaN in the block, or a block so
+small that ``127 / s`` overflows) stores codes 0 and keeps ``s`` as it is, so a
+non-finite block stays visibly non-finite.
+
+**Rows and blocks.** A tensor of two or more dimensions is ``size(0)`` rows of
+``numel / size(0)`` elements; any other tensor is one row. Blocks never cross
+a row, so a block-scaled tensor's scales have shape ``(rows, ceil(row /
+block_size))`` and shard along dim 0 with the tensor (FSDP2).
+
+**Params.** A bfloat16 param (a bf16 master, stepped directly) is written with
+*stochastic rounding*: the update is computed in fp32 and 16 pseudo-random bits
+are added to its low bits before they are cut. The bits are a hash of
+``(seed, step, i, e)`` for tensor ``i`` of the call and element ``e``
+(:func:`random_bits`), so a run is reproducible, a resumed run continues with
+the same bits, and a skipped step (which keeps ``step``) draws nothing.
+float32 and float16 params are written rounded to nearest. ``model_params``
+receive the fp32 update rounded to nearest, as in the fp32-state ops.
+
+``noop`` and ``inv_scale`` are as in every optimizer op: a set ``noop`` writes
+nothing at all, codes and scales included.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from amp_patch.ops._library import _check_rows, _ops, register
+from amp_patch.ops.optimizer_ops import (
+    _adam_moments,
+    _bias_correction,
+    _commit,
+    _f32,
+    _grad32,
+    _keep,
+    _one_minus,
+    _sqrt_rn,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "SCALED_CODES",
+    "STATE_DTYPES",
+    "multi_tensor_adam_lean_",
+    "multi_tensor_sgd_lean_",
+    "scale_shape",
+    "encode",
+    "decode",
+    "stochastic_round_bf16",
+    "random_bits",
+]
+
+#: The default number of elements that share one scale.
+BLOCK_SIZE = 256
+
+#: State dtypes stored as codes with one fp32 scale per block.
+SCALED_CODES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+#: Every dtype a state tensor of these ops may have.
+STATE_DTYPES = (torch.float32, torch.bfloat16, *SCALED_CODES)
+
+# The largest code of each block-scaled dtype, as the fp32 constant of its scale factor.
+_CODE_MAX = {torch.int8: 127.0, torch.uint8: 255.0, torch.float8_e4m3fn: 448.0}
+
+_LEAN_SCHEMAS = {
+    "multi_tensor_adam_lean_": (
+        "multi_tensor_adam_lean_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_scales, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_sq_scales, "
+        "Tensor(f!)[] model_params, Tensor? noop, Tensor? inv_scale, float lr, float beta1, "
+        "float beta2, float eps, float weight_decay, int step, bool adam_w_mode, "
+        "bool bias_correction, int block_size, int seed) -> ()"
+    ),
+    "multi_tensor_sgd_lean_": (
+        "multi_tensor_sgd_lean_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, "
+        "Tensor(c!)[] momentum_scales, Tensor(d!)[] model_params, Tensor? noop, Tensor? inv_scale, "
+        "float lr, float weight_decay, float momentum, float dampening, bool nesterov, "
+        "bool first_run, bool wd_after_momentum, int step, int block_size, int seed) -> ()"
+    ),
+}
+
+_MASK32 = 0xFFFFFFFF
+# Odd 32-bit constants of the hash (golden ratio, and murmur3's finaliser).
+_K0, _K1, _K2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+
+
+# --------------------------------------------------------------------------- rows, blocks
+
+def _rows(t: Tensor) -> tuple[int, int]:
+    """``(rows, row length)`` of ``t`` as the codes see it."""
+    rows = t.shape[0] if t.dim() >= 2 else 1
+    return rows, (t.numel() // rows if rows else 0)
+
+
+def scale_shape(t: Tensor | torch.Size, block_size: int = BLOCK_SIZE) -> tuple[int, int]:
+    """The shape of the scales of a block-scaled state tensor shaped like ``t``.
+
+    Args:
+        t (Tensor or torch.Size): the state tensor, or its shape.
+        block_size (int, optional): elements per block. Default: :data:`BLOCK_SIZE`.
+
+    Returns:
+        tuple of int: ``(rows, blocks per row)``.
+
+    Example::
+
+        >>> scale_shape(torch.Size([512, 1000]))
+        (512, 4)
+        >>> scale_shape(torch.Size([300]))
+        (1, 2)
+    """
+    shape = t.shape if isinstance(t, Tensor) else torch.Size(t)
+    rows = shape[0] if len(shape) >= 2 else 1
+    numel = shape.numel()
+    length = numel // rows if rows else 0
+    return rows, -(-length // block_size)
+
+
+def _blocked(x: Tensor, block_size: int) -> Tensor:
+    """fp32 ``x`` as ``(rows, blocks, block_size)``, the last block of each row padded with 0."""
+    rows, length = _rows(x)
+    nb = -(-length // block_size)
+    x = x.reshape(rows, length)
+    pad = nb * block_size - length
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(rows, nb, block_size)
+
+
+def _unblocked(xb: Tensor, like: Tensor) -> Tensor:
+    rows, length = _rows(like)
+    return xb.reshape(rows, -1)[:, :length].contiguous().reshape(like.shape)
+
+
+def _factor(scale: Tensor, numerator: float, denominator: float) -> Tensor:
+    """``numerator / denominator`` per block, one fp32 division (the kernels' order)."""
+    num = torch.full((), numerator, dtype=torch.float32, device=scale.device)
+    den = torch.full((), denominator, dtype=torch.float32, device=scale.device)
+    if numerator == 1.0:  # the decode factor s / max: scale is the numerator
+        return scale / den
+    return num / scale
+
+
+# --------------------------------------------------------------------------- codes
+
+def encode(x: Tensor, dtype: torch.dtype, block_size: int = BLOCK_SIZE,
+           ) -> tuple[Tensor, Tensor | None]:
+    """Store fp32 ``x`` in the state code ``dtype``: ``(codes, scales)``.
+
+    Args:
+        x (Tensor): fp32 values (any shape).
+        dtype (torch.dtype): one of :data:`STATE_DTYPES`.
+        block_size (int, optional): elements per block. Default: :data:`BLOCK_SIZE`.
+
+    Returns:
+        tuple: the codes (shaped like ``x``) and, for the block-scaled codes, the
+        fp32 scales of shape :func:`scale_shape` (else None).
+
+    Example::
+
+        >>> codes, scales = encode(torch.tensor([0.5, -1.0, 0.25]), torch.int8)
+        >>> codes, scales
+        (tensor([  64, -127,   32], dtype=torch.int8), tensor([[1.]]))
+        >>> decode(codes, scales)
+        tensor([ 0.5039, -1.0000,  0.2520])
+    """
+    x = x.float()
+    if dtype not in SCALED_CODES:
+        if dtype not in STATE_DTYPES:
+            raise ValueError(f"state code {dtype} is not one of {STATE_DTYPES}")
+        return x.to(dtype), None
+    top = _CODE_MAX[dtype]
+    xb = _blocked(x, block_size)
+    if dtype == torch.uint8:
+        xb = _sqrt_rn(xb)
+    scale = (xb.abs().amax(dim=-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])).contiguous()
+    factor = _factor(scale, top, 1.0).unsqueeze(-1)  # top / s
+    usable = torch.isfinite(factor)
+    y = torch.where(usable, xb * torch.where(usable, factor, 0.0), 0.0)
+    if dtype == torch.float8_e4m3fn:
+        codes = y.to(torch.float8_e4m3fn)
+    else:
+        low = 1.0 if dtype == torch.uint8 else -top
+        q = torch.round(y).clamp(low, top)
+        q = torch.where(usable, q, 0.0)
+        codes = q.to(dtype)
+    return _unblocked(codes, x), scale
+
+
+def decode(codes: Tensor, scales: Tensor | None, block_size: int = BLOCK_SIZE) -> Tensor:
+    """The fp32 values that ``codes`` (and their ``scales``) stand for; see :func:`encode`.
+
+    Args:
+        codes (Tensor): a state tensor of one of :data:`STATE_DTYPES`.
+        scales (Tensor, optional): its fp32 scales, for the block-scaled codes.
+        block_size (int, optional): elements per block. Default: :data:`BLOCK_SIZE`.
+
+    Returns:
+        Tensor: fp32, shaped like ``codes``.
+
+    Example::
+
+        >>> decode(torch.tensor([255, 1], dtype=torch.uint8), torch.tensor([[2.0]]))
+        tensor([4.0000e+00, 6.1515e-05])
+    """
+    if codes.dtype not in SCALED_CODES:
+        return codes.float()
+    if scales is None:
+        raise ValueError(f"{codes.dtype} state needs its scales")
+    factor = _factor(scales.float(), 1.0, _CODE_MAX[codes.dtype]).unsqueeze(-1)  # s / top
+    y = _blocked(codes.float(), block_size) * factor
+    if codes.dtype == torch.uint8:
+        y = y * y
+    return _unblocked(y, codes)
+
+
+# --------------------------------------------------------------------------- rounding
+
+def _fmix32(x: Tensor) -> Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _K1) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * _K2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _tensor_key(seed: int, step: int, index: int) -> int:
+    return (seed * _K0 + step * _K1 + index * _K2) & _MASK32
+
+
+def random_bits(seed: int, step: int, index: int, numel: int,
+                device: torch.device | str = "cpu") -> Tensor:
+    """The 16 random bits that stochastic rounding adds to each element of tensor ``index``.
+
+    ``fmix32(key ^ (e * 0x9E3779B9 mod 2**32)) >> 16`` for element ``e``, with
+    ``key = (seed*0x9E3779B9 + step*0x85EBCA6B + index*0xC2B2AE35) mod 2**32``
+    and murmur3's 32-bit finaliser ``fmix32``: the kernels compute the same.
+
+    Args:
+        seed (int): the optimizer's rounding seed.
+        step (int): the step number.
+        index (int): the tensor's position in the op call.
+        numel (int): how many elements.
+        device (torch.device or str, optional): Default: the CPU.
+
+    Returns:
+        Tensor: int64 values in [0, 65536), one per element.
+
+    Example::
+
+        >>> random_bits(0, 1, 0, 4).tolist() == random_bits(0, 1, 0, 4).tolist()
+        True
+    """
+    e = torch.arange(numel, dtype=torch.int64, device=device) & _MASK32
+    x = _tensor_key(seed, step, index) ^ ((e * _K0) & _MASK32)
+    return _fmix32(x) >> 16
+
+
+def stochastic_round_bf16(x: Tensor, bits: Tensor) -> Tensor:
+    """Round fp32 ``x`` to bfloat16, up or down with the probability of its distance.
+
+    ``bits`` (int64 in [0, 65536), one per element of ``x`` in row-major order)
+    is added to the low half of the fp32 bit pattern, which is then cut. A
+    non-finite value is rounded to nearest.
+
+    Args:
+        x (Tensor): fp32 values.
+        bits (Tensor): from :func:`random_bits`.
+
+    Returns:
+        Tensor: bfloat16, shaped like ``x``.
+
+    Example::
+
+        >>> x = torch.full((4096,), 1.0 + 2.0**-10)   # 1/8 of a bf16 ulp above 1
+        >>> y = stochastic_round_bf16(x, random_bits(0, 1, 0, x.numel())).float()
+        >>> abs(y.mean().item() - x[0].item()) < 2.0**-12
+        True
+    """
+    flat = x.float().contiguous().reshape(-1)
+    u = flat.view(torch.int32).to(torch.int64) & _MASK32
+    hi = ((u + bits.reshape(-1)) >> 16) & 0xFFFF
+    rounded = hi.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    out = torch.where(torch.isfinite(flat), rounded, flat.to(torch.bfloat16))
+    return out.reshape(x.shape)
+
+
+def _store_param(param: Tensor, p: Tensor, seed: int, step: int, index: int) -> Tensor:
+    """The new value of ``param`` (fp32 ``p``): stochastically rounded for a bf16 param."""
+    if param.dtype != torch.bfloat16:
+        return p
+    return stochastic_round_bf16(p, random_bits(seed, step, index, p.numel(), p.device))
+
+
+# --------------------------------------------------------------------------- checks
+
+def _check_state(op: str, name: str, states: Sequence[Tensor], scale_name: str,
+                 scales: Sequence[Tensor], block_size: int) -> None:
+    if scales and len(scales) != len(states):
+        raise RuntimeError(f"amp_patch::{op}: {scale_name} has {len(scales)} tensors for "
+                           f"{len(states)} {name} (give one per tensor, or none)")
+    for i, t in enumerate(states):
+        if t.dtype not in STATE_DTYPES:
+            raise RuntimeError(f"amp_patch::{op}: {name}[{i}] has dtype {t.dtype}; state codes "
+                               f"are {', '.join(str(d) for d in STATE_DTYPES)}")
+        if t.dtype == torch.uint8 and name != "exp_avg_sqs":
+            raise RuntimeError(f"amp_patch::{op}: {name}[{i}] is uint8, the code of a second "
+                               "moment (never negative); signed state takes int8")
+        if t.dtype not in SCALED_CODES:
+            continue
+        if not scales:
+            raise RuntimeError(f"amp_patch::{op}: {name}[{i}] is {t.dtype} but {scale_name} "
+                               "is empty")
+        s = scales[i]
+        want = scale_shape(t, block_size)
+        if s.dtype != torch.float32 or tuple(s.shape) != want:
+            raise RuntimeError(f"amp_patch::{op}: {scale_name}[{i}] must be float32 of shape "
+                               f"{want} for block_size {block_size}, got {s.dtype} "
+                               f"{tuple(s.shape)}")
+        if not (t.is_contiguous() and s.is_contiguous()):
+            raise RuntimeError(f"amp_patch::{op}: {name}[{i}] and its scales must be contiguous")
+
+
+def _check_common(op: str, params: Sequence[Tensor], block_size: int) -> None:
+    if block_size < 1:
+        raise RuntimeError(f"amp_patch::{op}: block_size must be positive, got {block_size}")
+    for i, p in enumerate(params):
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise RuntimeError(f"amp_patch::{op}: params[{i}] has dtype {p.dtype}; params are "
+                               "float32, bfloat16 or float16")
+
+
+def _scale_pairs(states: Sequence[Tensor], scales: Sequence[Tensor], i: int,
+                 codes: Tensor, new_scale: Tensor | None) -> list[tuple[Tensor, Tensor]]:
+    out = [(states[i], codes)]
+    if new_scale is not None:
+        out.append((scales[i], new_scale))
+    return out
+
+
+def _scale_of(states: Sequence[Tensor], scales: Sequence[Tensor], i: int) -> Tensor | None:
+    return scales[i] if states[i].dtype in SCALED_CODES else None
+
+
+# --------------------------------------------------------------------------- reference bodies
+
+def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales,
+                   model_params, noop, inv_scale, lr, beta1, beta2, eps, weight_decay, step,
+                   adam_w_mode, bias_correction, block_size, seed) -> None:
+    op = "multi_tensor_adam_lean_"
+    _check_rows(op, grads=grads, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                model_params=model_params or None)
+    _check_common(op, params, block_size)
+    _check_state(op, "exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, block_size)
+    _check_state(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
+                 block_size)
+    keep = _keep(noop)
+    b1, b2, lr, eps, wd = _f32(beta1), _f32(beta2), _f32(lr), _f32(eps), _f32(weight_decay)
+    c1, c2 = _one_minus(b1), _one_minus(b2)
+    bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        p = params[i].float()
+        m = decode(exp_avgs[i], _scale_of(exp_avgs, exp_avg_scales, i), block_size)
+        v = decode(exp_avg_sqs[i], _scale_of(exp_avg_sqs, exp_avg_sq_scales, i), block_size)
+        m, v, u = _adam_moments(_grad32(grad, inv_scale), p, m, v, b1, b2, c1, c2, bc1, bc2, eps,
+                                wd, adam_w_mode)
+        p = p - lr * u
+        m_codes, m_scale = encode(m, exp_avgs[i].dtype, block_size)
+        v_codes, v_scale = encode(v, exp_avg_sqs[i].dtype, block_size)
+        _commit(keep, (params[i], _store_param(params[i], p, seed, step, i)),
+                *_scale_pairs(exp_avgs, exp_avg_scales, i, m_codes, m_scale),
+                *_scale_pairs(exp_avg_sqs, exp_avg_sq_scales, i, v_codes, v_scale),
+                *([(model_params[i], p)] if model_params else []))
+
+
+def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params, noop,
+                  inv_scale, lr, weight_decay, momentum, dampening, nesterov, first_run,
+                  wd_after_momentum, step, block_size, seed) -> None:
+    op = "multi_tensor_sgd_lean_"
+    with_momentum = momentum != 0.0
+    if with_momentum and len(momentum_buffers) != len(grads):
+        raise RuntimeError(f"amp_patch::{op}: momentum is {momentum} but momentum_buffers has "
+                           f"{len(momentum_buffers)} tensors for {len(grads)} grads")
+    _check_rows(op, grads=grads, params=params,
+                momentum_buffers=momentum_buffers if with_momentum else None,
+                model_params=model_params or None)
+    _check_common(op, params, block_size)
+    if with_momentum:
+        _check_state(op, "momentum_buffers", momentum_buffers, "momentum_scales",
+                     momentum_scales, block_size)
+    keep = _keep(noop)
+    lr, wd, mu = _f32(lr), _f32(weight_decay), _f32(momentum)
+    c_damp = _one_minus(_f32(dampening))
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        g, p = _grad32(grad, inv_scale), params[i].float()
+        if wd != 0.0 and not wd_after_momentum:
+            g = g + wd * p
+        state: list[tuple[Tensor, Tensor]] = []
+        if with_momentum:
+            if first_run:
+                buf = g
+            else:
+                old = decode(momentum_buffers[i], _scale_of(momentum_buffers, momentum_scales, i),
+                             block_size)
+                buf = mu * old + c_damp * g
+            g = g + mu * buf if nesterov else buf
+            codes, scale = encode(buf, momentum_buffers[i].dtype, block_size)
+            state = _scale_pairs(momentum_buffers, momentum_scales, i, codes, scale)
+        if wd != 0.0 and wd_after_momentum:
+            g = g + wd * p
+        p = p - lr * g
+        _commit(keep, (params[i], _store_param(params[i], p, seed, step, i)),
+                *state, *([(model_params[i], p)] if model_params else []))
+
+
+_LEAN_REFERENCE: dict[str, Callable[..., Any]] = {
+    "multi_tensor_adam_lean_": _adam_lean_ref,
+    "multi_tensor_sgd_lean_": _sgd_lean_ref,
+}
+register(_LEAN_SCHEMAS, _LEAN_REFERENCE)
+
+
+# --------------------------------------------------------------------------- public wrappers
+
+def multi_tensor_adam_lean_(
+    grads: list[Tensor], params: list[Tensor], exp_avgs: list[Tensor],
+    exp_avg_scales: list[Tensor], exp_avg_sqs: list[Tensor], exp_avg_sq_scales: list[Tensor],
+    model_params: list[Tensor], noop: Tensor | None, inv_scale: Tensor | None, *, lr: float,
+    beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+    adam_w_mode: bool = True, bias_correction: bool = True, block_size: int = BLOCK_SIZE,
+    seed: int = 0,
+) -> None:
+    """One Adam / AdamW step with low-precision moments and params, in one pass.
+
+    The arithmetic is :func:`~amp_patch.ops.multi_tensor_adam_`'s, on the
+    moments decoded to fp32; the new moments are encoded again (see the
+    module's text for the codes) and a bf16 param is written with stochastic
+    rounding.
+
+    Args:
+        grads (list of Tensor): gradients (fp32, fp16 or bf16), read only.
+        params (list of Tensor): fp32 params or masters, or bf16 params (stochastic
+            rounding), updated in place.
+        exp_avgs (list of Tensor): first moments: float32, bfloat16, int8 or
+            float8_e4m3fn codes, updated in place.
+        exp_avg_scales (list of Tensor): the fp32 block scales of the block-scaled
+            ``exp_avgs`` (one per tensor), or empty when none is block-scaled.
+        exp_avg_sqs (list of Tensor): second moments: float32, bfloat16, uint8
+            (square-root code) or float8_e4m3fn codes, updated in place.
+        exp_avg_sq_scales (list of Tensor): their block scales, or empty.
+        model_params (list of Tensor): empty, or the half model copies to write.
+        noop (Tensor, optional): one-element flag; non-zero skips the whole step.
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        lr (float): learning rate.
+        beta1 (float): first-moment decay.
+        beta2 (float): second-moment decay.
+        eps (float): added to the denominator.
+        weight_decay (float): weight decay.
+        step (int): the step number, from 1 (bias corrections, rounding bits).
+        adam_w_mode (bool, optional): decoupled weight decay. Default: True.
+        bias_correction (bool, optional): Default: True.
+        block_size (int, optional): elements per scale. Default: 256.
+        seed (int, optional): the stochastic rounding seed. Default: 0.
+
+    Example::
+
+        >>> p = [torch.randn(64, 512)]
+        >>> m, sm = encode(torch.zeros(64, 512), torch.int8)
+        >>> v, sv = encode(torch.zeros(64, 512), torch.uint8)
+        >>> multi_tensor_adam_lean_([torch.randn(64, 512)], p, [m], [sm], [v], [sv], [], None,
+        ...     None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+        >>> sm[0].shape
+        torch.Size([2])
+    """
+    _ops.multi_tensor_adam_lean_(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                                 exp_avg_sq_scales, model_params, noop, inv_scale, lr, beta1,
+                                 beta2, eps, weight_decay, step, adam_w_mode, bias_correction,
+                                 block_size, seed)
+
+
+def multi_tensor_sgd_lean_(
+    grads: list[Tensor], params: list[Tensor], momentum_buffers: list[Tensor],
+    momentum_scales: list[Tensor], model_params: list[Tensor], noop: Tensor | None,
+    inv_scale: Tensor | None, *, lr: float, weight_decay: float = 0.0, momentum: float = 0.0,
+    dampening: float = 0.0, nesterov: bool = False, first_run: bool = False,
+    wd_after_momentum: bool = False, step: int = 1, block_size: int = BLOCK_SIZE, seed: int = 0,
+) -> None:
+    """One SGD step (Apex's momentum rule) with a low-precision momentum buffer and params.
+
+    The arithmetic is :func:`~amp_patch.ops.multi_tensor_sgd_`'s on the decoded
+    buffer; the buffer is encoded again (float32, bfloat16, int8 or
+    float8_e4m3fn) and a bf16 param is written with stochastic rounding.
+
+    Args:
+        grads (list of Tensor): gradients, read only.
+        params (list of Tensor): fp32 params or masters, or bf16 params.
+        momentum_buffers (list of Tensor): one per param when ``momentum != 0``.
+        momentum_scales (list of Tensor): the block scales of block-scaled buffers, or empty.
+        model_params (list of Tensor): empty, or the half copies to write.
+        noop (Tensor, optional): non-zero skips the whole step.
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        lr (float): learning rate.
+        weight_decay (float, optional): Default: 0.
+        momentum (float, optional): Default: 0.
+        dampening (float, optional): Default: 0.
+        nesterov (bool, optional): Default: False.
+        first_run (bool, optional): the buffers are new: set them to the grad. Default: False.
+        wd_after_momentum (bool, optional): Default: False.
+        step (int, optional): the step number (the rounding bits). Default: 1.
+        block_size (int, optional): elements per scale. Default: 256.
+        seed (int, optional): the stochastic rounding seed. Default: 0.
+
+    Example::
+
+        >>> p = [torch.ones(8, 300, dtype=torch.bfloat16)]
+        >>> buf, scale = encode(torch.zeros(8, 300), torch.int8)
+        >>> multi_tensor_sgd_lean_([torch.ones(8, 300)], p, [buf], [scale], [], None, None,
+        ...                        lr=0.1, momentum=0.9, first_run=True)
+        >>> round(p[0].float().mean().item(), 2)   # 0.9 on average: stochastic rounding
+        0.9
+    """
+    _ops.multi_tensor_sgd_lean_(grads, params, momentum_buffers, momentum_scales, model_params,
+                                noop, inv_scale, lr, weight_decay, momentum, dampening, nesterov,
+                                first_run, wd_after_momentum, step, block_size, seed)
