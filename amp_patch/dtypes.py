@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["HALF_DTYPES", "HALF_DTYPE_NAMES", "HALF_DTYPE_SPELLINGS", "CASTABLE_DTYPES",
+__all__ = ["OPTIMIZER_STATE_NAMES", "MASTER_WEIGHT_DTYPES",
+           "HALF_DTYPES", "HALF_DTYPE_NAMES", "HALF_DTYPE_SPELLINGS", "CASTABLE_DTYPES",
            "check_half_dtype", "half_dtype_name", "parse_half_dtype"]
 
 #: The half dtypes by their short names (the CLI's ``--half-dtype``, reports, JSON, test
@@ -24,6 +25,12 @@ HALF_DTYPE_NAMES: Mapping[str, torch.dtype] = MappingProxyType(
 
 #: The half dtypes: what amp computes in, and the parameter dtypes that get an fp32 master.
 HALF_DTYPES = frozenset(HALF_DTYPE_NAMES.values())
+
+#: The precisions ``initialize(optimizer_state=...)`` takes, from the widest; each is a
+#: :class:`amp_patch.optimizers.state_format.StateFormat` of that name.
+OPTIMIZER_STATE_NAMES = ("fp32", "bf16", "int8", "fp8")
+#: ``initialize(master_weights=...)``'s values besides True/False: the masters' dtype by name.
+MASTER_WEIGHT_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({"bf16": torch.bfloat16})
 
 #: Every name :func:`parse_half_dtype` takes: the short names, torch's names, and "half".
 HALF_DTYPE_SPELLINGS: Mapping[str, torch.dtype] = MappingProxyType({

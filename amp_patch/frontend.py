@@ -46,7 +46,7 @@ def initialize(
     cast_model_type=None,
     patch_torch_functions: bool | None = None,
     keep_batchnorm_fp32=None,
-    master_weights: bool | None = None,
+    master_weights: bool | str | None = None,
     loss_scale=None,
     cast_model_outputs: torch.dtype | None = None,
     num_losses: int = 1,
@@ -57,6 +57,7 @@ def initialize(
     half_dtype: torch.dtype | None = None,
     max_consecutive_skips: int | None = None,
     cpu_half_compute: str | None = None,
+    optimizer_state: str | None = None,
 ):
     """Set up mixed precision for models and optimizers at an opt level.
 
@@ -84,7 +85,10 @@ def initialize(
             level's model dtype; False disables model and input casting.
         patch_torch_functions (bool, optional): override (O1 only).
         keep_batchnorm_fp32 (bool or str, optional): keep affine batch norms fp32.
-        master_weights (bool, optional): keep fp32 master weights.
+        master_weights (bool or str, optional): keep fp32 master weights (True),
+            or bf16 ones (``"bf16"``): a bf16 param is then its own master and
+            the optimizer writes it with stochastic rounding; fp16 params get a
+            bf16 master. Not at O1, whose model stays fp32.
         loss_scale (float or str, optional): a static scale or ``"dynamic"``.
         cast_model_outputs (torch.dtype, optional): dtype of model outputs.
         num_losses (int, optional): how many losses get their own scaler. Default: 1.
@@ -103,6 +107,12 @@ def initialize(
             emulated (fp32 compute, outputs rounded to half). ``"auto"``
             emulates where :func:`amp_patch.cpu_half_support` reports the host
             not native. Default: ``"auto"``.
+        optimizer_state (str, optional): how the optimizers keep their state:
+            ``"fp32"``, ``"bf16"``, ``"int8"`` (block-scaled 8-bit moments) or
+            ``"fp8"`` (e4m3 first moment, bf16 second); see
+            :mod:`amp_patch.optimizers.state_format`. Anything but ``"fp32"``
+            (and ``master_weights="bf16"``) needs amp_patch's FusedAdam or
+            FusedSGD. Default: ``"fp32"``.
 
     Returns:
         The models and optimizers, as passed.
@@ -152,6 +162,7 @@ def initialize(
         max_loss_scale=max_loss_scale,
         max_consecutive_skips=max_consecutive_skips,
         cpu_half_compute=cpu_half_compute,
+        optimizer_state=optimizer_state,
     )
     restore_logging = _logging.configure(props.verbosity)
     try:
@@ -199,7 +210,8 @@ def _build(session: _session.AmpSession) -> None:
             _regather.install(session.casts, session.sharding.states, session.on_close)
     for optimizer in session.optimizers:
         session.optimizer_records[id(optimizer)] = _optim.process(
-            optimizer, bool(props.master_weights), session.on_close, disable_casts)
+            optimizer, props.master_dtype, session.on_close, disable_casts,
+            optimizer_state=props.optimizer_state)
     session.scalers = [AmpScaler.from_properties(props, loss_id=i)
                        for i in range(props.num_losses)]
     _debug.install(session)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from amp_patch import levels as _levels
-from amp_patch.dtypes import check_half_dtype
+from amp_patch.dtypes import MASTER_WEIGHT_DTYPES, OPTIMIZER_STATE_NAMES, check_half_dtype
 from amp_patch.levels import DYNAMIC
 
 __all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS", "CPU_HALF_MODES",
@@ -62,7 +62,12 @@ class Properties:
         patch_torch_functions (bool): install the O1 casting wrappers.
         keep_batchnorm_fp32 (bool or None): keep affine batch norms in fp32
             when the model is cast to half.
-        master_weights (bool or None): keep fp32 master copies of half params.
+        master_weights (bool, str or None): keep fp32 master copies of half
+            params (True), or bf16 ones (``"bf16"``: a bf16 param is then its
+            own master, stepped with stochastic rounding).
+        optimizer_state (str): how the optimizer keeps its state: ``"fp32"``,
+            ``"bf16"``, ``"int8"`` or ``"fp8"`` (amp_patch's FusedAdam and
+            FusedSGD; see :mod:`amp_patch.optimizers.state_format`).
         loss_scale (float or str): a static scale, or ``"dynamic"``.
         cast_model_outputs (torch.dtype or None): dtype of model outputs; None
             means fp32 when the model is cast.
@@ -98,7 +103,8 @@ class Properties:
     cast_model_type: CastType = None
     patch_torch_functions: bool = True
     keep_batchnorm_fp32: bool | None = None
-    master_weights: bool | None = None
+    master_weights: bool | str | None = None
+    optimizer_state: str = "fp32"
     loss_scale: float | str = DYNAMIC
     cast_model_outputs: torch.dtype | None = None
     num_losses: int = 1
@@ -156,9 +162,15 @@ class Properties:
                 f"patch_torch_functions=True is only allowed with O1, not {self.opt_level}: "
                 "the other levels cast the model instead of patching torch."
             )
-        if self.master_weights is not None and not isinstance(self.master_weights, bool):
+        if self.master_weights is not None and not isinstance(self.master_weights, bool) \
+                and self.master_weights not in MASTER_WEIGHT_DTYPES:
             raise ValueError(
-                f"master_weights must be True, False or None, got {self.master_weights!r}")
+                f"master_weights must be True, False, None or "
+                f"{' or '.join(map(repr, MASTER_WEIGHT_DTYPES))}, got {self.master_weights!r}")
+        if self.optimizer_state not in OPTIMIZER_STATE_NAMES:
+            raise ValueError(
+                f"optimizer_state must be one of {', '.join(map(repr, OPTIMIZER_STATE_NAMES))}, "
+                f"got {self.optimizer_state!r}")
         if not isinstance(self.num_losses, int) or self.num_losses < 1:
             raise ValueError(f"num_losses must be a positive int, got {self.num_losses!r}")
         if not (isinstance(self.max_consecutive_skips, int) and not isinstance(
@@ -219,6 +231,13 @@ class Properties:
         return isinstance(self.cast_model_type, torch.dtype)
 
     @property
+    def master_dtype(self) -> torch.dtype | None:
+        """The dtype of the master weights (None without them)."""
+        if not self.master_weights:
+            return None
+        return MASTER_WEIGHT_DTYPES.get(self.master_weights, torch.float32)  # type: ignore[arg-type]
+
+    @property
     def skips_unscale(self) -> bool:
         """True for the fast path: a static scale of 1.0 and no master weights."""
         return self.loss_scale == 1.0 and not self.master_weights
@@ -227,7 +246,8 @@ class Properties:
         """A multi-line, human-readable account of the settings, for logging."""
         lines = [f"Selected optimization level {self.opt_level} (half dtype {self.half_dtype})"]
         for name in ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
-                     "keep_batchnorm_fp32", "master_weights", "loss_scale", "cpu_half_compute"):
+                     "keep_batchnorm_fp32", "master_weights", "optimizer_state", "loss_scale",
+                     "cpu_half_compute"):
             lines.append(f"  {name:<22}: {getattr(self, name)}")
         return "\n".join(lines)
 

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from amp_patch import ops
 from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.optimizers.state_format import SCALE_SUFFIX, SCALED_CODES
 from amp_patch.tensors import group_by_device_and_dtype
 
 #: The key, in each param group of an O2 optimizer's state dict, of its fp32 masters by position
@@ -43,7 +44,9 @@ class MasterWeights:
         (torch.bfloat16, torch.float32)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        #: The masters' dtype: fp32, or bf16 (a bf16 param is then its own master).
+        self.dtype = dtype
         # id(master) -> model param, and the reverse.
         self._model_of: dict[int, Tensor] = {}
         self._master_of: dict[int, Tensor] = {}
@@ -68,18 +71,18 @@ class MasterWeights:
         # Masters of a checkpoint that a plain optimizer loaded before initialize.
         saved = group.pop(GROUP_MASTERS_KEY, None) or []
         for i, p in enumerate(params):
-            if p.dtype not in HALF_DTYPES or id(p) in self._master_of:
+            if p.dtype not in HALF_DTYPES or p.dtype == self.dtype or id(p) in self._master_of:
                 continue
-            # .float() keeps the param's layout (channels-last stays channels-last).
-            master = nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+            # .to() keeps the param's layout (channels-last stays channels-last).
+            master = nn.Parameter(p.detach().to(self.dtype), requires_grad=p.requires_grad)
             value = saved[i] if i < len(saved) else None
-            if _saved_master_of(value, p):
+            if _saved_master_of(value, p, self.dtype):
                 # The model was loaded from the same checkpoint (its half value is this
                 # master rounded): take the exact fp32 value, not the rounded one.
                 with torch.no_grad():
                     master.copy_(value)
             if p.grad is not None:
-                master.grad = p.grad.detach().float()
+                master.grad = p.grad.detach().to(self.dtype)
             self._model_of[id(master)] = p
             self._master_of[id(p)] = master
             self._written_version[id(p)] = p._version
@@ -224,10 +227,10 @@ class MasterWeights:
         self._written_version.clear()
 
 
-def _saved_master_of(value: Any, param: Tensor) -> TypeGuard[Tensor]:
-    """Whether ``value`` (a checkpoint's master) is the master of ``param`` as loaded: an fp32
-    tensor of its shape that rounds to exactly its half value."""
-    return (isinstance(value, Tensor) and value.dtype == torch.float32
+def _saved_master_of(value: Any, param: Tensor, dtype: torch.dtype) -> TypeGuard[Tensor]:
+    """Whether ``value`` (a checkpoint's master) is the master of ``param`` as loaded: a tensor
+    of the masters' dtype and its shape that rounds to exactly its half value."""
+    return (isinstance(value, Tensor) and value.dtype == dtype
             and value.shape == param.shape and value.device == param.device
             and torch.equal(value.to(param.dtype), param.detach()))
 
@@ -281,14 +284,17 @@ def match_state_to_params(optimizer: torch.optim.Optimizer, params: Iterable[Ten
     state = optimizer.state
     for p in params:
         entry = state.get(p) if p in state else None
-        if entry and any(isinstance(v, Tensor) and k != "step" and v.is_floating_point()
+        if entry and any(_state_to(v, p.dtype, p.device, k) is not v
                          and (v.dtype != p.dtype or v.device != p.device)
                          for k, v in entry.items()):
             state[p] = {k: _state_to(v, p.dtype, p.device, k) for k, v in entry.items()}
 
 
 def _state_to(value: Any, dtype: torch.dtype, device: torch.device, key: str) -> Any:
-    # Optimizer.load_state_dict's rule: floating state follows the param, step counters do not.
-    if isinstance(value, Tensor) and key != "step" and value.is_floating_point():
+    # Optimizer.load_state_dict's rule: floating state follows the param, step counters do not;
+    # nor do block-scaled codes and their scales (amp_patch.optimizers.state_format), which
+    # are not values.
+    if (isinstance(value, Tensor) and key != "step" and value.is_floating_point()
+            and value.dtype not in SCALED_CODES and not key.endswith(SCALE_SUFFIX)):
         return value.to(dtype=dtype, device=device)
     return value

@@ -70,7 +70,9 @@ class OptimizerRecord:
 
     Args:
         optimizer (torch.optim.Optimizer): the optimizer.
-        master_weights (bool): step half params through fp32 masters.
+        master_weights (bool or torch.dtype): step half params through masters:
+            fp32 ones (True, or ``torch.float32``), or bf16 ones
+            (``torch.bfloat16``: a bf16 param is its own master).
         step_context (callable, optional): returns the context manager that
             ``step()`` runs in. Default: none.
 
@@ -88,13 +90,14 @@ class OptimizerRecord:
             on the optimizer then passes calls straight through.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool,
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool | torch.dtype | None,
                  step_context: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         # The optimizer is held weakly: an LR scheduler made after initialize keeps our
         # (then inactive) step wrapper, and with it this record, after deinitialize.
         self._optimizer_ref = weakref.ref(optimizer)
         self.master_weights = bool(master_weights)
-        self.masters = MasterWeights()
+        master_dtype = master_weights if isinstance(master_weights, torch.dtype) else torch.float32
+        self.masters = MasterWeights(master_dtype)
         self.skip_next_step = False
         self.scaled_grads_pending = False
         self.takes_step_inputs = self.master_weights and callable(
@@ -388,9 +391,10 @@ def _still_zero(zeroed: tuple[Tensor, int] | None, grad: Tensor) -> bool:
     return zeroed is not None and zeroed[0] is grad and zeroed[1] == grad._version
 
 
-def process(optimizer: torch.optim.Optimizer, master_weights: bool,
+def process(optimizer: torch.optim.Optimizer, master_weights: bool | torch.dtype | None,
             on_close: Callable[..., None],
-            step_context: Callable[[], ContextManager] = contextlib.nullcontext) -> OptimizerRecord:
+            step_context: Callable[[], ContextManager] = contextlib.nullcontext,
+            optimizer_state: str = "fp32") -> OptimizerRecord:
     """Make ``optimizer`` an amp optimizer.
 
     Creates the fp32 masters when ``master_weights`` is set and wraps
@@ -401,14 +405,22 @@ def process(optimizer: torch.optim.Optimizer, master_weights: bool,
 
     Args:
         optimizer (torch.optim.Optimizer): built over the (already cast) model's params.
-        master_weights (bool): keep fp32 masters of the half params.
+        master_weights (bool or torch.dtype): keep masters of the half params:
+            fp32 (True, ``torch.float32``) or bf16 (``torch.bfloat16``, with
+            stochastic rounding; a bf16 param is its own master).
         on_close (callable): ``on_close(what, undo, abort=...)`` registers an undo with
             the session.
         step_context (callable, optional): returns the context manager that
             ``step()`` runs in. Default: none.
+        optimizer_state (str, optional): the optimizer's state format (see
+            :mod:`amp_patch.optimizers.state_format`). Default: ``"fp32"``.
 
     Returns:
         OptimizerRecord: the record, for the session to keep.
+
+    Raises:
+        ValueError: a low-precision ``optimizer_state`` or bf16 masters for an
+            optimizer that cannot keep them (anything but FusedAdam and FusedSGD).
 
     Example::
 
@@ -418,7 +430,17 @@ def process(optimizer: torch.optim.Optimizer, master_weights: bool,
         >>> all(p.dtype == torch.float32 for p in record.stepped_params())
         True
     """
+    lean = optimizer_state != "fp32" or master_weights == torch.bfloat16
+    if lean:
+        _check_lean(optimizer, optimizer_state, master_weights)
     record = OptimizerRecord(optimizer, master_weights, step_context)
+    if lean:
+        fused = _fused(optimizer)
+        previous = (fused.state_format, fused.stochastic_rounding)
+        on_close(f"{type(fused).__name__}'s state format",
+                 lambda: fused.set_state_format(*previous))
+        fused.set_state_format(optimizer_state,
+                               stochastic_rounding=master_weights == torch.bfloat16)
     # What a failed initialize puts back: the param lists and state entries themselves.
     groups = [list(group["params"]) for group in optimizer.param_groups]
     state = {p: optimizer.state[p] for params in groups for p in params if p in optimizer.state}
@@ -426,3 +448,23 @@ def process(optimizer: torch.optim.Optimizer, master_weights: bool,
              abort=lambda: record.abort(groups, state))
     record.install()
     return record
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer that keeps the state: the one a LARC wraps, else itself."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _check_lean(optimizer: torch.optim.Optimizer, optimizer_state: str,
+                master_weights: bool | torch.dtype | None) -> None:
+    fused = _fused(optimizer)
+    if getattr(fused, "LEAN_STATE", False):
+        return
+    asked = " and ".join(
+        ([f"optimizer_state={optimizer_state!r}"] if optimizer_state != "fp32" else [])
+        + (["master_weights='bf16'"] if master_weights == torch.bfloat16 else []))
+    raise ValueError(
+        f"{asked} needs an optimizer that keeps low-precision state and rounds bf16 params "
+        f"stochastically: amp_patch.optimizers.FusedAdam or FusedSGD. {type(fused).__name__} "
+        "keeps its own fp32 state; build the optimizer as FusedAdam(params, ...) (the same "
+        "arguments as torch.optim.AdamW) or FusedSGD, or leave optimizer_state at 'fp32'.")

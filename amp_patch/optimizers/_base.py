@@ -26,6 +26,8 @@ from torch import Tensor
 
 from amp_patch import ops
 from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.optimizers import state_format as _formats
+from amp_patch.optimizers.state_format import SCALE_SUFFIX, StateFormat
 
 logger = logging.getLogger("amp_patch")
 
@@ -98,6 +100,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             ``set_to_none``.
         master_weights (bool): keep an fp32 master for each fp16/bf16 param
             (in ``state[param]["master_param"]``) and step that.
+        state_format (str or StateFormat): how the state is stored (``"fp32"``,
+            ``"bf16"``, ``"int8"``, ``"fp8"``; see
+            :mod:`amp_patch.optimizers.state_format`), for the optimizers that
+            take low-precision state (:attr:`LEAN_STATE`). Default: ``"fp32"``.
 
     Example::
 
@@ -113,13 +119,20 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     #: State keys whose saved dtype :meth:`load_state_dict` keeps (fp32 state of half params).
     _KEEP_SAVED_DTYPE: tuple[str, ...] = ("master_param",)
+    #: Whether the optimizer takes low-precision state (:meth:`set_state_format`).
+    LEAN_STATE = False
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, set_grad_none: bool,
-                 master_weights: bool = False) -> None:
+                 master_weights: bool = False, state_format: str | StateFormat = "fp32") -> None:
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self._inputs: FusedStepInputs | None = None
+        #: The seed of the stochastic rounding of bf16 params (see :meth:`set_state_format`).
+        self.rounding_seed = 0
+        self.stochastic_rounding = False
+        self.state_format = _formats.get("fp32")
+        self.set_state_format(state_format)
 
     # ----------------------------------------------------------------- public
 
@@ -138,6 +151,45 @@ class FusedOptimizer(torch.optim.Optimizer):
             >>> opt.zero_grad(set_to_none=True)  # grads set to None
         """
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+
+    def set_state_format(self, state_format: str | StateFormat,
+                         stochastic_rounding: bool | None = None) -> StateFormat:
+        """Store the state in ``state_format`` from the next step on; returns the previous format.
+
+        State made under another format is converted (decoded, encoded again)
+        when a step next uses it, so nothing is lost beyond the new code's
+        rounding. ``stochastic_rounding`` makes every step write bf16 params
+        (stepped directly: bf16 masters) with stochastic rounding, as the lean
+        ops do (:mod:`amp_patch.ops.lean_state_ops`); the bits are reproducible
+        from :attr:`rounding_seed` and the step count.
+
+        Args:
+            state_format (str or StateFormat): ``"fp32"``, ``"bf16"``, ``"int8"`` or ``"fp8"``.
+            stochastic_rounding (bool, optional): None keeps the current setting.
+
+        Returns:
+            StateFormat: the format before the call.
+
+        Raises:
+            ValueError: an unknown format, or a low-precision one for an optimizer
+                that cannot take it.
+
+        Example::
+
+            >>> from amp_patch.optimizers import FusedAdam
+            >>> opt = FusedAdam(model.parameters(), lr=1e-3)
+            >>> opt.set_state_format("int8").name
+            'fp32'
+        """
+        fmt = _formats.get(state_format)
+        if (fmt.is_lean or stochastic_rounding) and not self.LEAN_STATE:
+            raise ValueError(
+                f"{type(self).__name__} cannot keep its state in {fmt.name!r} or round "
+                "stochastically; the optimizers that can are FusedAdam and FusedSGD")
+        previous, self.state_format = self.state_format, fmt
+        if stochastic_rounding is not None:
+            self.stochastic_rounding = bool(stochastic_rounding)
+        return previous
 
     @contextlib.contextmanager
     def fused_step_inputs(self, inputs: FusedStepInputs) -> Iterator[FusedStepInputs]:
@@ -178,8 +230,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for param_id, p in zip(saved_ids, flat):
-            for key, value in saved.get(param_id, {}).items():
-                if key in self._KEEP_SAVED_DTYPE and isinstance(value, Tensor):
+            entry = saved.get(param_id, {})
+            for key, value in entry.items():
+                # Codes with scales, and the scales, are not values: they keep their dtype.
+                keep = (key in self._KEEP_SAVED_DTYPE or key.endswith(SCALE_SUFFIX)
+                        or f"{key}{SCALE_SUFFIX}" in entry)
+                if keep and isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
     @torch.no_grad()
@@ -312,6 +368,37 @@ class FusedOptimizer(torch.optim.Optimizer):
             t = state[key] = torch.zeros_like(like, dtype=dtype or like.dtype,
                                               memory_format=torch.preserve_format)
         return t
+
+    def _lean_state(self, p: Tensor, key: str, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """``state[p][key]`` in code ``dtype`` and its scales (None for unscaled codes).
+
+        Made as zeros on first use, converted when stored in another code
+        (:meth:`StateFormat.convert`). The scales live beside the codes, under
+        ``key + "_scale"``.
+        """
+        state = self.state[p]
+        scale_key = key + SCALE_SUFFIX
+        codes, scales = state.get(key), state.get(scale_key)
+        fmt = self.state_format
+        if codes is None:
+            like = self._master(p) if self._uses_master(p) else p
+            codes, scales = fmt.zeros(like, dtype)
+        elif codes.dtype != dtype or (scales is None) != (dtype not in _formats.SCALED_CODES):
+            codes, scales = fmt.convert(codes, scales, dtype)
+        else:
+            return codes, scales
+        state[key] = codes
+        if scales is None:
+            state.pop(scale_key, None)
+        else:
+            state[scale_key] = scales
+        return codes, scales
+
+    def _lean_step(self, b: "_Batch") -> bool:
+        """Whether batch ``b`` steps through the lean ops: a low-precision format, or bf16
+        params to round stochastically."""
+        return self.state_format.is_lean or (
+            self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in b.params))
 
     def _step_skipped(self) -> bool:
         """Whether the step inputs' ``found_inf`` is set: then ``step()`` changes nothing.

@@ -54,6 +54,10 @@ class FusedAdam(FusedOptimizer):
             and step it from the half grad; the half param receives the rounded
             master in the same pass. Apex allowed it with ``capturable`` only;
             here it works either way. Default: False.
+        state_format (str, optional): how the moments are stored: ``"fp32"``,
+            ``"bf16"``, ``"int8"`` (block-scaled) or ``"fp8"`` (see
+            :mod:`amp_patch.optimizers.state_format`); amp sets it from
+            ``initialize(optimizer_state=...)``. Default: ``"fp32"``.
 
     Raises:
         RuntimeError: ``amsgrad=True``.
@@ -67,19 +71,20 @@ class FusedAdam(FusedOptimizer):
     """
 
     _KEEP_SAVED_DTYPE = ("master_param", "exp_avg", "exp_avg_sq")
+    LEAN_STATE = True
 
     def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
                  set_grad_none: bool = True, capturable: bool = False,
-                 master_weights: bool = False) -> None:
+                 master_weights: bool = False, state_format: str = "fp32") -> None:
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         defaults = dict(lr=torch.tensor(lr, dtype=torch.float32) if capturable else lr,
                         bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none,
-                         master_weights=master_weights)
+                         master_weights=master_weights, state_format=state_format)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
         if capturable:
@@ -142,15 +147,29 @@ class FusedAdam(FusedOptimizer):
         factor folded in, say).
         """
         beta1, beta2 = group["betas"]
-        for b in self._batches(group):
+        fmt = self.state_format
+        # One call per pair of codes: the op takes one scales list per moment.
+        for b in self._batches(group, split=fmt.codes):
             inv = b.inv_scale if inv_scale is None else _on(inv_scale, b.device)
-            ops.multi_tensor_adam_(
-                b.grads, b.params,
-                [self._state_tensor(p, "exp_avg", torch.float32) for p in b.keys],
-                [self._state_tensor(p, "exp_avg_sq", torch.float32) for p in b.keys],
-                b.model_params, b.noop, inv,
-                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-                adam_w_mode=bool(self.adam_w_mode), bias_correction=bias_correction)
+            first, second = fmt.codes(b.keys[0])
+            m = [self._lean_state(p, "exp_avg", first) for p in b.keys]
+            v = [self._lean_state(p, "exp_avg_sq", second) for p in b.keys]
+            hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                         step=step, adam_w_mode=bool(self.adam_w_mode),
+                         bias_correction=bias_correction)
+            if not self._lean_step(b):
+                ops.multi_tensor_adam_(b.grads, b.params, [c for c, _ in m], [c for c, _ in v],
+                                       b.model_params, b.noop, inv, **hyper)
+                continue
+            ops.multi_tensor_adam_lean_(
+                b.grads, b.params, [c for c, _ in m], _scales(m), [c for c, _ in v], _scales(v),
+                b.model_params, b.noop, inv, **hyper, block_size=fmt.block_size,
+                seed=self.rounding_seed)
+
+
+def _scales(state: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """The scales list of a lean op call: one per tensor when the codes are block-scaled."""
+    return [s for _, s in state if s is not None]
 
 
 def _tensors_to_device(group: dict[str, Any]) -> None:

@@ -28,7 +28,8 @@ class FusedSGD(FusedOptimizer):
     As in torch and Apex (and unlike Sutskever et al.), the learning rate
     multiplies the velocity rather than the gradient inside it. The momentum
     buffers (``state[p]["momentum_buffer"]``) have the param's dtype; with
-    ``momentum=0`` none is made.
+    ``momentum=0`` none is made. With a low-precision ``state_format`` they are
+    stored in its first code (:mod:`amp_patch.optimizers.state_format`).
 
     Args:
         params (iterable): parameters or parameter groups.
@@ -45,6 +46,9 @@ class FusedSGD(FusedOptimizer):
             otherwise. Default: True.
         set_grad_none (bool, optional): :meth:`zero_grad` sets grads to None.
             Default: False, as in Apex.
+        state_format (str, optional): how the momentum buffers are stored:
+            ``"fp32"`` (the param's dtype), ``"bf16"``, ``"int8"`` or ``"fp8"``
+            (block-scaled). Default: ``"fp32"``.
 
     Raises:
         ValueError: a negative ``lr``, ``momentum`` or ``weight_decay``; Nesterov
@@ -57,11 +61,13 @@ class FusedSGD(FusedOptimizer):
         >>> opt.step()
     """
 
+    LEAN_STATE = True
+
     # lr is a float, or torch's ``required`` marker when it is not given.
     def __init__(self, params: Any, lr: Any = required, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                  wd_after_momentum: bool = False, materialize_master_grads: bool = True,
-                 set_grad_none: bool = False) -> None:
+                 set_grad_none: bool = False, state_format: str = "fp32") -> None:
         if lr is not required and lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
@@ -72,7 +78,8 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, set_grad_none=set_grad_none,
+                         state_format=state_format)
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
         # Apex's amp set this to the loss scale when it left the model grads scaled;
@@ -112,15 +119,29 @@ class FusedSGD(FusedOptimizer):
         # New buffers start as the grad, which the kernel does for a whole call
         # (first_run): params with and without a buffer go in separate calls.
         fresh = (lambda p: "momentum_buffer" not in self.state[p]) if momentum != 0 else None
-        for b in self._batches(group, split=fresh):
+        fmt = self.state_format
+        step = None
+        for b in self._batches(group, split=lambda p: (fresh and fresh(p), fmt.codes(p))):
             first_run = fresh is not None and fresh(b.keys[0])
-            buffers = ([self._state_tensor(p, "momentum_buffer") for p in b.keys]
-                       if momentum != 0 else [])
-            ops.multi_tensor_sgd_(
-                b.grads, b.params, buffers, b.model_params, b.noop, self._inv_scale(b.inv_scale, b),
-                lr=group["lr"], weight_decay=group["weight_decay"], momentum=momentum,
-                dampening=group["dampening"], nesterov=group["nesterov"], first_run=first_run,
-                wd_after_momentum=self.wd_after_momentum)
+            lean = self._lean_step(b)
+            code = fmt.codes(b.keys[0])[0] if lean else None
+            # Without a low-precision format a buffer has the dtype of the tensor stepped.
+            buffers = ([self._lean_state(p, "momentum_buffer", code or s.dtype)
+                        for p, s in zip(b.keys, b.params)] if momentum != 0 else [])
+            hyper = dict(lr=group["lr"], weight_decay=group["weight_decay"], momentum=momentum,
+                         dampening=group["dampening"], nesterov=group["nesterov"],
+                         first_run=first_run, wd_after_momentum=self.wd_after_momentum)
+            inv = self._inv_scale(b.inv_scale, b)
+            if not lean:
+                ops.multi_tensor_sgd_(b.grads, b.params, [c for c, _ in buffers], b.model_params,
+                                      b.noop, inv, **hyper)
+                continue
+            if step is None:  # the rounding bits' step count, kept only by lean steps
+                step = self._next_step(group)
+            ops.multi_tensor_sgd_lean_(
+                b.grads, b.params, [c for c, _ in buffers],
+                [s for _, s in buffers if s is not None], b.model_params, b.noop, inv, **hyper,
+                step=step, block_size=fmt.block_size, seed=self.rounding_seed)
 
     def _inv_scale(self, inv_scale: Tensor | None, batch: Any) -> Tensor | None:
         if self.most_recent_scale == 1.0:
