@@ -25,9 +25,10 @@ grad, decodes the state, updates, encodes the state again and writes the param
   ``e4m3(x * (448 / s))`` (round to nearest even) and read as ``e4m3 * (s / 448)``.
 
 A block whose largest magnitude is 0 stores codes 0 (it reads back zeros); one
-whose scale factor is not finite (an inf or NaN in the block, or a block so
-small that ``127 / s`` overflows) stores codes 0 and keeps ``s`` as it is, so a
-non-finite block stays visibly non-finite.
+whose scale ``s`` or factor is not finite (an inf or NaN in the block, or a
+block so small that ``127 / s`` overflows) stores codes 0 and keeps ``s`` as it
+is, so a non-finite block reads back NaN (``0 * inf``) or stays NaN: visibly
+non-finite.
 
 **Rows and blocks.** A tensor of two or more dimensions is ``size(0)`` rows of
 ``numel / size(0)`` elements; any other tensor is one row. Blocks never cross
@@ -205,7 +206,8 @@ def encode(x: Tensor, dtype: torch.dtype, block_size: int = BLOCK_SIZE,
         xb = _sqrt_rn(xb)
     scale = (xb.abs().amax(dim=-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])).contiguous()
     factor = _factor(scale, top, 1.0).unsqueeze(-1)  # top / s
-    usable = torch.isfinite(factor)
+    # An inf scale gives the finite factor 0: the block is as unusable as a NaN one.
+    usable = torch.isfinite(factor) & torch.isfinite(scale).unsqueeze(-1)
     y = torch.where(usable, xb * torch.where(usable, factor, 0.0), 0.0)
     if dtype == torch.float8_e4m3fn:
         codes = y.to(torch.float8_e4m3fn)
