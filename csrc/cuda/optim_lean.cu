@@ -40,35 +40,21 @@ namespace amp_patch::cuda {
 namespace {
 
 using optim::RnFloat;
-
-constexpr const char* kAdamLean = "multi_tensor_adam_lean_";
-constexpr const char* kSgdLean = "multi_tensor_sgd_lean_";
+using optim::StateCode;
 
 // ------------------------------------------------------------------ state codes
 
-// The code of a state tensor, from its dtype. The last three are block-scaled.
-enum Code : int8_t { kCodeF32 = 0, kCodeBF16 = 1, kCodeI8 = 2, kCodeU8 = 3, kCodeE4M3 = 4 };
-
-__host__ __device__ __forceinline__ bool is_scaled(int8_t code) {
-  return code >= kCodeI8;
-}
-
-// The largest code of each block-scaled code, as the fp32 constant of its factor.
-__device__ __forceinline__ float code_max(int8_t code) {
-  return code == kCodeI8 ? 127.0f : (code == kCodeU8 ? 255.0f : 448.0f);
-}
-
 // The fp32 value of element e of a state tensor; `factor` is s / code_max.
-__device__ __forceinline__ float load_state(const void* base, int8_t code, int64_t e,
+__device__ __forceinline__ float load_state(const void* base, StateCode code, int64_t e,
                                             float factor) {
   switch (code) {
-    case kCodeF32:
+    case StateCode::kF32:
       return static_cast<const float*>(base)[e];
-    case kCodeBF16:
+    case StateCode::kBF16:
       return to_float(static_cast<const c10::BFloat16*>(base)[e]);
-    case kCodeI8:
+    case StateCode::kInt8:
       return __fmul_rn(static_cast<float>(static_cast<const int8_t*>(base)[e]), factor);
-    case kCodeU8: {
+    case StateCode::kSqrtU8: {
       const float r =
           __fmul_rn(static_cast<float>(static_cast<const uint8_t*>(base)[e]), factor);
       return __fmul_rn(r, r);
@@ -86,16 +72,16 @@ __device__ __forceinline__ float load_state(const void* base, int8_t code, int64
 // block whose scale is inf, is stored as 0, as torch's cast stores it on
 // CUDA; the uint8 code of an unusable block is 0, not the clamp's 1), or
 // converted by torch's own float -> float8_e4m3fn conversion.
-__device__ __forceinline__ void store_state(void* base, int8_t code, int64_t e, float x,
+__device__ __forceinline__ void store_state(void* base, StateCode code, int64_t e, float x,
                                             float factor, bool usable) {
   switch (code) {
-    case kCodeF32:
+    case StateCode::kF32:
       static_cast<float*>(base)[e] = x;
       return;
-    case kCodeBF16:
+    case StateCode::kBF16:
       static_cast<c10::BFloat16*>(base)[e] = from_float<c10::BFloat16>(x);
       return;
-    case kCodeE4M3: {
+    case StateCode::kE4M3: {
       const float y = usable ? __fmul_rn(x, factor) : 0.0f;
       static_cast<uint8_t*>(base)[e] = c10::detail::fp8e4m3fn_from_fp32_value(y);
       return;
@@ -103,7 +89,7 @@ __device__ __forceinline__ void store_state(void* base, int8_t code, int64_t e, 
     default: {
       const float q = rintf(usable ? __fmul_rn(x, factor) : 0.0f);
       const bool zero = !usable || isnan(q);
-      if (code == kCodeI8) {
+      if (code == StateCode::kInt8) {
         static_cast<int8_t*>(base)[e] =
             zero ? int8_t{0} : static_cast<int8_t>(fminf(fmaxf(q, -127.0f), 127.0f));
       } else {
@@ -121,33 +107,15 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 
 // ------------------------------------------------------------------ stochastic rounding
 
-// The odd constants of the hash (lean_state_ops.random_bits).
-constexpr uint32_t kK0 = 0x9E3779B9u, kK1 = 0x85EBCA6Bu, kK2 = 0xC2B2AE35u;
-
-__device__ __forceinline__ uint32_t fmix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= kK1;
-  x ^= x >> 13;
-  x *= kK2;
-  return x ^ (x >> 16);
-}
-
 // fp32 p to bf16 bits: the 16 random bits of element e added to the low half
 // of p's bit pattern, then cut; a non-finite p rounds to nearest.
 __device__ __forceinline__ c10::BFloat16 stochastic_round_bf16(float p, uint32_t key, int64_t e) {
   if (!isfinite(p)) {
     return from_float<c10::BFloat16>(p);
   }
-  const uint32_t bits = fmix32(key ^ (static_cast<uint32_t>(e) * kK0)) >> 16;
-  return c10::BFloat16(static_cast<uint16_t>((__float_as_uint(p) + bits) >> 16),
-                       c10::BFloat16::from_bits());
-}
-
-// Host side: the hash key of tensor `index` of the call, mod 2^32.
-uint32_t tensor_key(int64_t seed, int64_t step, int64_t index) {
-  const uint64_t k = static_cast<uint64_t>(seed) * kK0 + static_cast<uint64_t>(step) * kK1 +
-                     static_cast<uint64_t>(index) * kK2;
-  return static_cast<uint32_t>(k);
+  return c10::BFloat16(
+      optim::stochastic_bf16_bits(__float_as_uint(p), optim::rounding_bits(key, e)),
+      c10::BFloat16::from_bits());
 }
 
 // ------------------------------------------------------------------ launch arguments
@@ -167,7 +135,7 @@ struct LeanTensor {
   int64_t blocks_per_row;
   uint32_t key;              // stochastic rounding (bf16 params)
   int8_t grad_dt, param_dt, model_dt;  // tensor_lists.cuh's dtype_index
-  int8_t code[kMaxStates];
+  StateCode code[kMaxStates];
 };
 
 constexpr int kLeanThreads = 256;
@@ -280,10 +248,10 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
   bool any_scaled = false;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    scaled[k] = t.state[k] != nullptr && writes && is_scaled(t.code[k]);
+    scaled[k] = t.state[k] != nullptr && writes && optim::block_scaled(t.code[k]);
     any_scaled = any_scaled || scaled[k];
     // s / code_max, one division per block, as the reference's decode factor.
-    decode[k] = scaled[k] && reads ? __fdiv_rn(t.scale[k][slot], code_max(t.code[k])) : 0.0f;
+    decode[k] = scaled[k] && reads ? __fdiv_rn(t.scale[k][slot], optim::code_max(t.code[k])) : 0.0f;
   }
 
   // The new param and state of element j; a uint8 state is returned as its
@@ -300,7 +268,7 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
     Rule::step(g, p, s, h);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      if (t.code[k] == kCodeU8) {
+      if (t.code[k] == StateCode::kSqrtU8) {
         s[k] = __fsqrt_rn(s[k]);
       }
     }
@@ -342,7 +310,7 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     // code_max / s, one division per block, as the reference's encode factor.
-    encode[k] = scaled[k] ? __fdiv_rn(code_max(t.code[k]), top[k]) : 0.0f;
+    encode[k] = scaled[k] ? __fdiv_rn(optim::code_max(t.code[k]), top[k]) : 0.0f;
     usable[k] = isfinite(encode[k]);
     if (scaled[k] && threadIdx.x == 0) {
       t.scale[k][slot] = top[k];
@@ -409,160 +377,96 @@ __global__ void __launch_bounds__(kLeanThreads)
 
 // ------------------------------------------------------------------ host side
 
-// A state list of the call: its tensors, its scales, and the checks'
-// names (as the reference's _check_state).
-struct StateList {
-  const char* name;
-  at::TensorList tensors;
-  const char* scale_name;
-  at::TensorList scales;
-  bool present;
-};
-
-int8_t code_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return kCodeF32;
-    case at::kBFloat16:
-      return kCodeBF16;
-    case at::kChar:
-      return kCodeI8;
-    case at::kByte:
-      return kCodeU8;
-    case at::kFloat8_e4m3fn:
-      return kCodeE4M3;
-    default:
-      return -1;
-  }
-}
-
-// (rows, row length) of a tensor as the codes see it: size(0) rows for two or
-// more dimensions, else one row.
-std::pair<int64_t, int64_t> rows_of(const at::Tensor& t) {
-  const int64_t rows = t.dim() >= 2 ? t.size(0) : 1;
-  return {rows, rows != 0 ? t.numel() / rows : 0};
-}
-
-// The reference's _check_rows: equal list lengths and shapes.
-void check_rows(const char* op, const std::vector<std::pair<const char*, at::TensorList>>& lists) {
-  const auto& [lead_name, lead] = lists[0];
-  for (size_t l = 1; l < lists.size(); ++l) {
-    const auto& [name, tensors] = lists[l];
-    TORCH_CHECK(tensors.size() == lead.size(), "amp_patch::", op, ": list lengths differ (",
-                lead_name, " has ", lead.size(), ", ", name, " has ", tensors.size(), ")");
-    for (size_t i = 0; i < lead.size(); ++i) {
-      TORCH_CHECK(tensors[i].sizes() == lead[i].sizes(), "amp_patch::", op, ": ", name, "[", i,
-                  "] has shape ", tensors[i].sizes(), " but ", lead_name, "[", i, "] has ",
-                  lead[i].sizes());
-    }
-  }
-}
-
-// The reference's _check_common, and the dtypes the CUDA kernel reads.
-void check_common(const char* op, at::TensorList grads, at::TensorList params,
-                  at::TensorList model_params, int64_t block_size) {
-  TORCH_CHECK(block_size >= 1, "amp_patch::", op, ": block_size must be positive, got ",
-              block_size);
+// The checks the CUDA kernel adds to the reference's (optim::check_lean_lists):
+// every tensor on the device of grads[0], dtypes the kernel reads, and a block
+// size that fits its int32 arithmetic.
+template <size_t S>
+void check_cuda_lists(const char* op, const optim::LeanLists<S>& l, const at::Device& device,
+                      int64_t block_size) {
   TORCH_CHECK(block_size <= std::numeric_limits<int32_t>::max(), "amp_patch::", op,
               ": block_size ", block_size, " is too large for the CUDA kernel");
-  for (size_t i = 0; i < params.size(); ++i) {
-    const int dt = dtype_index(params[i].scalar_type());
-    TORCH_CHECK(dt >= 0 && dt <= 2, "amp_patch::", op, ": params[", i, "] has dtype ",
-                params[i].scalar_type(), "; params are float32, bfloat16 or float16");
-  }
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const int dt = dtype_index(grads[i].scalar_type());
-    TORCH_CHECK(dt >= 0 && dt <= 2, "amp_patch::", op, ": grads[", i, "] has dtype ",
-                grads[i].scalar_type(), "; the CUDA kernel takes float32, float16 and bfloat16 grads");
-  }
-  for (size_t i = 0; i < model_params.size(); ++i) {
-    const int dt = dtype_index(model_params[i].scalar_type());
-    TORCH_CHECK(dt >= 0 && dt <= 2, "amp_patch::", op, ": model_params[", i, "] has dtype ",
-                model_params[i].scalar_type(),
-                "; the CUDA kernel takes float32, float16 and bfloat16 model params");
-  }
-}
-
-// The reference's _check_state.
-void check_state(const char* op, const StateList& s, int64_t block_size) {
-  TORCH_CHECK(s.scales.empty() || s.scales.size() == s.tensors.size(), "amp_patch::", op, ": ",
-              s.scale_name, " has ", s.scales.size(), " tensors for ", s.tensors.size(), " ",
-              s.name, " (give one per tensor, or none)");
-  for (size_t i = 0; i < s.tensors.size(); ++i) {
-    const at::Tensor& t = s.tensors[i];
-    const int8_t code = code_of(t.scalar_type());
-    TORCH_CHECK(code >= 0, "amp_patch::", op, ": ", s.name, "[", i, "] has dtype ",
-                t.scalar_type(), "; state codes are torch.float32, torch.bfloat16, torch.int8, ",
-                "torch.uint8, torch.float8_e4m3fn");
-    TORCH_CHECK(code != kCodeU8 || std::string(s.name) == "exp_avg_sqs", "amp_patch::", op, ": ",
-                s.name, "[", i, "] is uint8, the code of a second moment (never negative); ",
-                "signed state takes int8");
-    if (!is_scaled(code)) {
+  auto on_device = [&](const char* name, at::TensorList tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      TORCH_CHECK(tensors[i].device() == device, "amp_patch::", op, ": expected all tensors on ",
+                  device, " (the device of grads[0]), but ", name, "[", i, "] is on ",
+                  tensors[i].device());
+    }
+  };
+  auto half_or_float = [&](const char* name, at::TensorList tensors) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const int dt = dtype_index(tensors[i].scalar_type());
+      TORCH_CHECK(dt >= 0 && dt <= 2, "amp_patch::", op, ": ", name, "[", i, "] has dtype ",
+                  tensors[i].scalar_type(),
+                  "; the CUDA kernel takes float32, float16 and bfloat16 ", name);
+    }
+  };
+  on_device("grads", l.grads);
+  on_device("params", l.params);
+  on_device("model_params", l.model_params);
+  half_or_float("grads", l.grads);
+  half_or_float("model_params", l.model_params);
+  for (const optim::LeanStateArg& s : l.states) {
+    if (!s.used) {
       continue;
     }
-    TORCH_CHECK(!s.scales.empty(), "amp_patch::", op, ": ", s.name, "[", i, "] is ",
-                t.scalar_type(), " but ", s.scale_name, " is empty");
-    const at::Tensor& sc = s.scales[i];
-    const auto [rows, len] = rows_of(t);
-    const int64_t nb = (len + block_size - 1) / block_size;
-    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.dim() == 2 && sc.size(0) == rows &&
-                    sc.size(1) == nb,
-                "amp_patch::", op, ": ", s.scale_name, "[", i, "] must be float32 of shape (",
-                rows, ", ", nb, ") for block_size ", block_size, ", got ", sc.scalar_type(), " ",
-                sc.sizes());
-    TORCH_CHECK(t.is_contiguous() && sc.is_contiguous(), "amp_patch::", op, ": ", s.name, "[",
-                i, "] and its scales must be contiguous");
+    on_device(s.name, s.codes);
+    for (size_t i = 0; i < s.codes.size(); ++i) {
+      if (optim::block_scaled(optim::state_code(s.codes[i].scalar_type()))) {
+        TORCH_CHECK(s.scales[i].device() == device, "amp_patch::", op,
+                    ": expected all tensors on ", device, " (the device of grads[0]), but ",
+                    s.scale_name, "[", i, "] is on ", s.scales[i].device());
+      }
+    }
   }
 }
 
-void check_device(const char* op, const char* name, at::TensorList tensors,
-                  const at::Device& device) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(tensors[i].device() == device, "amp_patch::", op,
-                ": expected all tensors on ", device, " (the device of grads[0]), but ", name,
-                "[", i, "] is on ", tensors[i].device());
-  }
+// (rows, row length) of a tensor as the codes see it.
+std::pair<int64_t, int64_t> rows_of(const at::Tensor& t) {
+  return optim::lean_rows(t.sizes());
 }
 
 // The tensors of one call as LeanTensor rows. A tensor the kernel cannot walk
 // in row-major order (not contiguous) is replaced by a contiguous stand-in,
 // copied back after the launches when the op writes it. Even a written
 // stand-in starts as a copy: a set noop must leave the copy-back a no-op.
+// (The block-scaled codes and their scales are contiguous: the checks ask it.)
 class LeanPlan {
  public:
-  LeanPlan(at::TensorList grads, at::TensorList params, at::TensorList model_params,
-           const std::vector<StateList>& states, int64_t block_size, int64_t seed, int64_t step)
-      : block_size_(block_size) {
-    for (size_t i = 0; i < grads.size(); ++i) {
-      if (grads[i].numel() == 0) {
+  template <size_t S>
+  LeanPlan(const optim::LeanLists<S>& l, const optim::LeanHyper& lh)
+      : block_size_(lh.block_size) {
+    static_assert(S <= kMaxStates);
+    for (size_t i = 0; i < l.grads.size(); ++i) {
+      const at::Tensor& grad = l.grads[i];
+      if (grad.numel() == 0) {
         continue;
       }
       LeanTensor t{};
-      const auto [rows, len] = rows_of(grads[i]);
+      const auto [rows, len] = rows_of(grad);
       t.row_len = len;
-      t.blocks_per_row = (len + block_size - 1) / block_size;
-      t.key = tensor_key(seed, step, static_cast<int64_t>(i));
-      t.grad = flat(grads[i], false);
-      t.grad_dt = static_cast<int8_t>(dtype_index(grads[i].scalar_type()));
-      t.param = flat(params[i], true);
-      t.param_dt = static_cast<int8_t>(dtype_index(params[i].scalar_type()));
+      t.blocks_per_row = (len + block_size_ - 1) / block_size_;
+      t.key = optim::lean_tensor_key(lh, static_cast<int64_t>(i));
+      t.grad = flat(grad, false);
+      t.grad_dt = static_cast<int8_t>(dtype_index(grad.scalar_type()));
+      t.param = flat(l.params[i], true);
+      t.param_dt = static_cast<int8_t>(dtype_index(l.params[i].scalar_type()));
       t.model = nullptr;
-      if (!model_params.empty()) {
-        t.model = flat(model_params[i], true);
-        t.model_dt = static_cast<int8_t>(dtype_index(model_params[i].scalar_type()));
+      if (!l.model_params.empty()) {
+        t.model = flat(l.model_params[i], true);
+        t.model_dt = static_cast<int8_t>(dtype_index(l.model_params[i].scalar_type()));
       }
-      for (size_t k = 0; k < states.size(); ++k) {
+      for (size_t k = 0; k < kMaxStates; ++k) {
         t.state[k] = nullptr;
         t.scale[k] = nullptr;
-        t.code[k] = kCodeF32;
-        if (!states[k].present) {
+        t.code[k] = StateCode::kF32;
+        if (k >= S || !l.states[k].used) {
           continue;
         }
-        const at::Tensor& s = states[k].tensors[i];
-        t.code[k] = code_of(s.scalar_type());
+        const at::Tensor& s = l.states[k].codes[i];
+        t.code[k] = optim::state_code(s.scalar_type());
         t.state[k] = flat(s, true);
-        if (is_scaled(t.code[k])) {
-          t.scale[k] = states[k].scales[i].data_ptr<float>();
+        if (optim::block_scaled(t.code[k])) {
+          t.scale[k] = static_cast<float*>(l.states[k].scales[i].data_ptr());
         }
       }
       t.first_block = total_blocks_;
@@ -626,107 +530,39 @@ class LeanPlan {
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };
 
-// Device checks of every list and of the scales of the block-scaled states.
-void check_devices(const char* op, const at::Device& device, at::TensorList grads,
-                   at::TensorList params, at::TensorList model_params,
-                   const std::vector<StateList>& states) {
-  check_device(op, "grads", grads, device);
-  check_device(op, "params", params, device);
-  check_device(op, "model_params", model_params, device);
-  for (const StateList& s : states) {
-    if (!s.present) {
-      continue;
-    }
-    check_device(op, s.name, s.tensors, device);
-    for (size_t i = 0; i < s.tensors.size(); ++i) {
-      if (is_scaled(code_of(s.tensors[i].scalar_type()))) {
-        TORCH_CHECK(s.scales[i].device() == device, "amp_patch::", op,
-                    ": expected all tensors on ", device, " (the device of grads[0]), but ",
-                    s.scale_name, "[", i, "] is on ", s.scales[i].device());
-      }
-    }
-  }
-}
-
-template <typename Rule>
-void run_lean(const char* op, at::TensorList grads, at::TensorList params,
-              at::TensorList model_params, const std::vector<StateList>& states,
-              const std::optional<at::Tensor>& noop, const std::optional<at::Tensor>& inv_scale,
-              const typename Rule::Hyper& h, int64_t block_size, int64_t seed, int64_t step) {
-  if (grads.empty()) {
+template <typename Rule, size_t S>
+void run_lean(const char* op, const optim::LeanLists<S>& l, const optim::Flags& flags,
+              const typename Rule::Hyper& h, const optim::LeanHyper& lh) {
+  if (l.grads.empty()) {
     return;
   }
-  const at::Device device = grads[0].device();
-  check_devices(op, device, grads, params, model_params, states);
+  const at::Device device = l.grads[0].device();
+  check_cuda_lists(op, l, device, lh.block_size);
   const c10::cuda::CUDAGuard guard(device);
-  const OptimCommon common = optim_common(op, noop, inv_scale, device);
-  LeanPlan plan(grads, params, model_params, states, block_size, seed, step);
+  const OptimCommon common = optim_common(op, flags.noop, flags.inv_scale, device);
+  LeanPlan plan(l, lh);
   plan.run<Rule>(common, h);
 }
 
-void adam_lean_cuda(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_scales, at::TensorList exp_avg_sqs,
-                    at::TensorList exp_avg_sq_scales, at::TensorList model_params,
-                    const std::optional<at::Tensor>& noop,
-                    const std::optional<at::Tensor>& inv_scale, double lr, double beta1,
-                    double beta2, double eps, double weight_decay, int64_t step,
-                    bool adam_w_mode, bool bias_correction, int64_t block_size, int64_t seed) {
-  const char* op = kAdamLean;
-  std::vector<std::pair<const char*, at::TensorList>> rows = {
-      {"grads", grads}, {"params", params}, {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}};
-  if (!model_params.empty()) {
-    rows.emplace_back("model_params", model_params);
+// The CUDA side of optim_args.h's lean entry points (which ran the reference's checks).
+struct CudaLean {
+  static void adam_lean(const char* op, const optim::LeanLists<2>& l, const optim::Flags& flags,
+                        const optim::AdamHyper& h, const optim::LeanHyper& lh) {
+    run_lean<AdamLeanRule>(op, l, flags, h, lh);
   }
-  check_rows(op, rows);
-  check_common(op, grads, params, model_params, block_size);
-  const std::vector<StateList> states = {
-      {"exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, true},
-      {"exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales, true}};
-  for (const StateList& s : states) {
-    check_state(op, s, block_size);
-  }
-  run_lean<AdamLeanRule>(
-      op, grads, params, model_params, states, noop, inv_scale,
-      optim::adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction),
-      block_size, seed, step);
-}
 
-void sgd_lean_cuda(at::TensorList grads, at::TensorList params, at::TensorList momentum_buffers,
-                   at::TensorList momentum_scales, at::TensorList model_params,
-                   const std::optional<at::Tensor>& noop,
-                   const std::optional<at::Tensor>& inv_scale, double lr, double weight_decay,
-                   double momentum, double dampening, bool nesterov, bool first_run,
-                   bool wd_after_momentum, int64_t step, int64_t block_size, int64_t seed) {
-  const char* op = kSgdLean;
-  const bool with_momentum = momentum != 0.0;
-  TORCH_CHECK(!with_momentum || momentum_buffers.size() == grads.size(), "amp_patch::", op,
-              ": momentum is ", momentum, " but momentum_buffers has ", momentum_buffers.size(),
-              " tensors for ", grads.size(), " grads");
-  std::vector<std::pair<const char*, at::TensorList>> rows = {{"grads", grads},
-                                                              {"params", params}};
-  if (with_momentum) {
-    rows.emplace_back("momentum_buffers", momentum_buffers);
+  static void sgd_lean(const char* op, const optim::LeanLists<1>& l, const optim::Flags& flags,
+                       const optim::SgdHyper& h, const optim::LeanHyper& lh) {
+    run_lean<SgdLeanRule>(op, l, flags, h, lh);
   }
-  if (!model_params.empty()) {
-    rows.emplace_back("model_params", model_params);
-  }
-  check_rows(op, rows);
-  check_common(op, grads, params, model_params, block_size);
-  const std::vector<StateList> states = {
-      {"momentum_buffers", momentum_buffers, "momentum_scales", momentum_scales, with_momentum}};
-  if (with_momentum) {
-    check_state(op, states[0], block_size);
-  }
-  run_lean<SgdLeanRule>(op, grads, params, model_params, states, noop, inv_scale,
-                        optim::sgd_hyper(lr, weight_decay, momentum, dampening, nesterov,
-                                         first_run, wd_after_momentum),
-                        block_size, seed, step);
-}
+};
 
 }  // namespace
 }  // namespace amp_patch::cuda
 
 TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
-  m.impl("multi_tensor_adam_lean_", &amp_patch::cuda::adam_lean_cuda);
-  m.impl("multi_tensor_sgd_lean_", &amp_patch::cuda::sgd_lean_cuda);
+  using amp_patch::cuda::CudaLean;
+  namespace optim = amp_patch::optim;
+  m.impl("multi_tensor_adam_lean_", &optim::adam_lean_op<CudaLean>);
+  m.impl("multi_tensor_sgd_lean_", &optim::sgd_lean_op<CudaLean>);
 }
