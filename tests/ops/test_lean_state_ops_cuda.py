@@ -39,7 +39,9 @@ SGD_CODES = [F32, BF16, I8, E4M3]
 PARAM_DTYPES = [F32, BF16, F16]
 
 # Shapes: one-row tensors (0-dim, 1-D), rows of 2-D and 3-D tensors, empty ones.
-SHAPES = [(), (1,), (7,), (300,), (3, 257), (4, 5, 7), (0,), (2, 1000), (5, 0), (2, 3, 130)]
+# (2, 3000): rows longer than the kernel's register cache (4 elements per thread of 256).
+SHAPES = [(), (1,), (7,), (300,), (3, 257), (4, 5, 7), (0,), (2, 1000), (5, 0), (2, 3, 130),
+          (2, 3000)]
 # 1: a scale per element; 33 and 100: blocks that do not divide the rows; 2048 and
 # 5000: blocks longer than the kernel's register cache (4 per thread of 256).
 BLOCK_SIZES = [1, 33, 100, 256, 2048, 5000]
@@ -195,6 +197,12 @@ def test_adam_lean_more_tensors_than_one_launch(codes):
     """Hundreds of small tensors: several launches, tensors found by their first block."""
     shapes = [(1 + (37 * i) % 700,) if i % 3 else (2, 1 + (13 * i) % 90) for i in range(700)]
     _check(ADAM, _adam_args(shapes, codes, BF16, 128), steps=2)
+
+
+@pytest.mark.parametrize("codes", [(I8, U8), (E4M3, BF16)], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_adam_lean_more_blocks_than_the_grid(codes):
+    """block_size 1 over 1.1 M elements: more state blocks than one grid, which loops."""
+    _check(ADAM, _adam_args([(1_100_000,), (3,)], codes, BF16, 1), steps=1)
 
 
 @pytest.mark.parametrize("noop_dtype", [torch.float32, torch.int32], ids=str)
