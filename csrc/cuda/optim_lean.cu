@@ -226,11 +226,18 @@ __device__ __forceinline__ void block_max_nan(float (&v)[K], float (*smem)[32]) 
   }
 }
 
+// The model copy receives the param as stored (a bf16 master's own bits), so
+// that the model is always its master rounded.
 __device__ __forceinline__ void store_param(const LeanTensor& t, int64_t e, float p) {
   if (t.param_dt == 2) {
-    static_cast<c10::BFloat16*>(t.param)[e] = stochastic_round_bf16(p, t.key, e);
+    const c10::BFloat16 stored = stochastic_round_bf16(p, t.key, e);
+    static_cast<c10::BFloat16*>(t.param)[e] = stored;
+    p = static_cast<float>(stored);
   } else {
     store_from_float(t.param, t.param_dt, e, p);
+    if (t.param_dt == 1) {  // an fp16 param: its rounded value
+      p = static_cast<float>(from_float<c10::Half>(p));
+    }
   }
   if (t.model != nullptr) {
     store_from_float(t.model, t.model_dt, e, p);
@@ -311,7 +318,8 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
   for (int k = 0; k < K; ++k) {
     // code_max / s, one division per block, as the reference's encode factor.
     encode[k] = scaled[k] ? __fdiv_rn(optim::code_max(t.code[k]), top[k]) : 0.0f;
-    usable[k] = isfinite(encode[k]);
+    // An inf scale gives the finite factor 0: unusable too (the reference's rule).
+    usable[k] = isfinite(encode[k]) && isfinite(top[k]);
     if (scaled[k] && threadIdx.x == 0) {
       t.scale[k][slot] = top[k];
     }
