@@ -542,8 +542,13 @@ void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_sca
       const int64_t c = std::min<int64_t>(kBlock, len - i);
       const int64_t at = j + i;
       FVec gv[2], pv[2], mv[2], vv[2];
-      load_block(g + at, c, gv[0], gv[1]);
-      load_block(p + at, c, pv[0], pv[1]);
+      if (c == kBlock) {  // (load_block's partial path keeps it from inlining)
+        Block<G>::load(g + at, gv[0], gv[1]);
+        Block<P>::load(p + at, pv[0], pv[1]);
+      } else {
+        load_block(g + at, c, gv[0], gv[1]);
+        load_block(p + at, c, pv[0], pv[1]);
+      }
       decode_vectors<MC>(m_codes, at, c, fm, mv[0], mv[1]);
       decode_vectors<VC>(v_codes, at, c, fv, vv[0], vv[1]);
       for (int k = 0; k < 2; ++k) {
