@@ -160,7 +160,7 @@ def _blocked(x: Tensor, block_size: int) -> Tensor:
 
 def _unblocked(xb: Tensor, like: Tensor) -> Tensor:
     rows, length = _rows(like)
-    return xb.reshape(rows, -1)[:, :length].contiguous().reshape(like.shape)
+    return xb.reshape(rows, xb.shape[-2] * xb.shape[-1])[:, :length].contiguous().reshape(like.shape)
 
 
 def _factor(scale: Tensor, numerator: float, denominator: float) -> Tensor:
@@ -318,9 +318,10 @@ def stochastic_round_bf16(x: Tensor, bits: Tensor) -> Tensor:
 
 
 def _store_param(param: Tensor, p: Tensor, seed: int, step: int, index: int) -> Tensor:
-    """The new value of ``param`` (fp32 ``p``): stochastically rounded for a bf16 param."""
+    """The new value of ``param`` (fp32 ``p``) in its dtype: stochastically rounded for a bf16
+    param, to nearest for the others."""
     if param.dtype != torch.bfloat16:
-        return p
+        return p.to(param.dtype)
     return stochastic_round_bf16(p, random_bits(seed, step, index, p.numel(), p.device))
 
 

@@ -288,15 +288,16 @@ inline float block_absmax(const float* x, int64_t len) {
 }
 
 // Stores the block x (len values; sqrt(x) already for the square-root code)
-// whose largest magnitude is s: factor = max / s; a block whose factor is not
-// finite stores codes 0. The integer codes are rne(x * factor) clamped, a NaN
+// whose largest magnitude is s: factor = max / s; a block whose factor or s is
+// not finite stores codes 0. The integer codes are rne(x * factor) clamped, a NaN
 // product (an inf beside a finite factor) stored as 0, as torch casts NaN to
 // an integer type. x is scratch.
 template <optim::StateCode C>
 inline void quantise_block(float* x, CodeType<C>* out, int64_t len, float s) {
   const float top = optim::code_max(C);
   const float factor = top / s;
-  if (!std::isfinite(factor)) {
+  // An inf s gives the finite factor 0: such a block is unusable too (the reference's rule).
+  if (!std::isfinite(factor) || !std::isfinite(s)) {
     std::memset(static_cast<void*>(out), 0, len);
     return;
   }
@@ -304,7 +305,7 @@ inline void quantise_block(float* x, CodeType<C>* out, int64_t len, float s) {
   if constexpr (C != optim::StateCode::kE4M3) {
     // A finite non-zero factor: every x is finite (|x| <= s), so is x * factor,
     // and converting with round-to-nearest-even then clamping the integers is
-    // rne and clamp in fp32. (factor 0, s = inf, takes the general loop below.)
+    // rne and clamp in fp32.
     if (factor != 0.0f) {
       const __m512 f = _mm512_set1_ps(factor);
       const __m512i lo = _mm512_set1_epi32(C == optim::StateCode::kInt8 ? -127 : 1);

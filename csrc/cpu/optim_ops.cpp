@@ -502,6 +502,23 @@ inline AdamLeanLoop fused_adam_lean(const OptimTable& k, const LeanTensor<S>& t,
   return k.adam_lean[t.g_dt][pi][mi][vi];
 }
 
+// The model copy of a chunk: the param as stored (a bf16 master's own bits,
+// an fp16 param's rounded value) rounded to the model's dtype, so that the
+// model is always its master rounded; `p` is the fp32 update.
+template <size_t S>
+inline void lean_model_copy(const KernelTable& conv, const LeanTensor<S>& t, const LeanChunk& ch,
+                            const float* p) {
+  if (t.model == nullptr) {
+    return;
+  }
+  void* model = offset(t.model, t.model_dt, ch.begin);
+  if (t.p_dt == kF32) {
+    conv.copy[kF32][t.model_dt](p, model, ch.len);
+  } else {
+    conv.copy[t.p_dt][t.model_dt](offset(t.p, t.p_dt, ch.begin), model, ch.len);
+  }
+}
+
 // Stores the updated fp32 param (bf16: stochastically rounded) and the model copy.
 template <size_t S>
 inline void lean_store_param(const OptimTable& k, const KernelTable& conv, const LeanTensor<S>& t,
@@ -511,9 +528,7 @@ inline void lean_store_param(const OptimTable& k, const KernelTable& conv, const
   } else if (t.p_dt != kF32) {
     conv.copy[kF32][t.p_dt](p, offset(t.p, t.p_dt, ch.begin), ch.len);
   }
-  if (t.model != nullptr) {
-    conv.copy[kF32][t.model_dt](p, offset(t.model, t.model_dt, ch.begin), ch.len);
-  }
+  lean_model_copy(conv, t, ch, p);
 }
 
 // The CPU side of the ops of optim_args.h. The scale and flag are read on the
@@ -586,12 +601,12 @@ struct CpuBackend {
           return static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
         };
         auto scales = [&](int s) { return t.scale[s] != nullptr ? t.scale[s] + ch.block : nullptr; };
-        float* p_out = t.model != nullptr ? scratch + 2 * tile : nullptr;
+        // The fp32 update, for the model copy of an fp32 param (a half param's copy is
+        // made from the param as stored).
+        float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
         fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin), codes(0), scales(0),
               codes(1), scales(1), p_out, scratch, tile, n, bs, t.key, ch.begin, h);
-        if (p_out != nullptr) {
-          conv.copy[kF32][t.model_dt](p_out, offset(t.model, t.model_dt, ch.begin), n);
-        }
+        lean_model_copy(conv, t, ch, p_out);
         return;
       }
       const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
