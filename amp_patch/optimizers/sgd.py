@@ -62,6 +62,10 @@ class FusedSGD(FusedOptimizer):
     """
 
     LEAN_STATE = True
+    # A buffer's dtype is the format's, which need not be the param's (fp32 buffers of bf16
+    # params stepped with stochastic rounding): load_state_dict keeps it as saved, and the
+    # next step converts it if the format asks for another (FusedOptimizer._lean_state).
+    _KEEP_SAVED_DTYPE = ("master_param", "momentum_buffer")
 
     # lr is a float, or torch's ``required`` marker when it is not given.
     def __init__(self, params: Any, lr: Any = required, momentum: float = 0.0,
