@@ -161,10 +161,12 @@ class FusedAdam(FusedOptimizer):
                 ops.multi_tensor_adam_(b.grads, b.params, [c for c, _ in m], [c for c, _ in v],
                                        b.model_params, b.noop, inv, **hyper)
                 continue
+            model_params, after = self._lean_model_params(b)
             ops.multi_tensor_adam_lean_(
                 b.grads, b.params, [c for c, _ in m], _scales(m), [c for c, _ in v], _scales(v),
-                b.model_params, b.noop, inv, **hyper, block_size=fmt.block_size,
+                model_params, b.noop, inv, **hyper, block_size=fmt.block_size,
                 seed=self.rounding_seed)
+            after()
 
 
 def _scales(state: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
