@@ -10,6 +10,7 @@ from torch.optim.optimizer import required
 
 from amp_patch import ops
 from amp_patch.optimizers._base import FusedOptimizer
+from amp_patch.tensors import local_tensors
 
 __all__ = ["FusedSGD"]
 
@@ -136,16 +137,19 @@ class FusedSGD(FusedOptimizer):
                          dampening=group["dampening"], nesterov=group["nesterov"],
                          first_run=first_run, wd_after_momentum=self.wd_after_momentum)
             inv = self._inv_scale(b.inv_scale, b)
+            # The ops take plain tensors: FSDP2's DTensors hand in their local shards.
+            grads, params = local_tensors(b.grads), local_tensors(b.params)
+            codes = local_tensors([c for c, _ in buffers])
             if not lean:
-                ops.multi_tensor_sgd_(b.grads, b.params, [c for c, _ in buffers], b.model_params,
+                ops.multi_tensor_sgd_(grads, params, codes, local_tensors(b.model_params),
                                       b.noop, inv, **hyper)
                 continue
             if step is None:  # the rounding bits' step count, kept only by lean steps
                 step = self._next_step(group)
             model_params, after = self._lean_model_params(b)
             ops.multi_tensor_sgd_lean_(
-                b.grads, b.params, [c for c, _ in buffers],
-                [s for _, s in buffers if s is not None], model_params, b.noop, inv, **hyper,
+                grads, params, codes, local_tensors([s for _, s in buffers if s is not None]),
+                local_tensors(model_params), b.noop, inv, **hyper,
                 step=step, block_size=fmt.block_size, seed=self.rounding_seed)
             after()
 
