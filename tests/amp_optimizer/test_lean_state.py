@@ -396,6 +396,19 @@ def test_optimizers_without_lean_state_are_refused(name, lean):
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 
 
+@pytest.mark.parametrize("lean", [dict(optimizer_state="int8"), dict(master_weights="bf16")],
+                         ids=["int8", "mw-bf16"])
+def test_apex_fp16_optimizer_is_refused(lean):
+    """Apex's FP16_Optimizer keeps its own fp32 masters and state: amp takes no such wrapper."""
+    from amp_patch.apex_compat.fp16_optimizer import FP16_Optimizer
+
+    net = model()
+    opt = FP16_Optimizer(FusedAdam(net.parameters(), lr=1e-3))
+    with pytest.raises(TypeError, match="got FP16_Optimizer"):
+        amp.initialize(net, opt, opt_level="O2", verbosity=0, **lean)
+    assert amp.session.current() is None
+
+
 @pytest.mark.parametrize("cls", [FusedAdam, FusedSGD])
 def test_larc_around_a_lean_optimizer_trains(cls):
     net = model()
