@@ -28,7 +28,6 @@ from amp_patch import ops
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.optimizers import state_format as _formats
 from amp_patch.optimizers.state_format import SCALE_SUFFIX, StateFormat
-from amp_patch.tensors import group_by_device_and_dtype, local_tensors
 
 logger = logging.getLogger("amp_patch")
 
@@ -400,26 +399,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         params to round stochastically."""
         return self.state_format.is_lean or (
             self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in b.params))
-
-    def _lean_model_params(self, b: "_Batch") -> tuple[list[Tensor], Callable[[], None]]:
-        """The model copies to hand a lean op for batch ``b``, and what to run after the op.
-
-        A lean op writes each model copy as the fp32 update rounded to nearest.
-        A bf16 master of an fp16 param is stored stochastically rounded, so that
-        copy would not be the master rounded to fp16, which is what a checkpoint
-        (it saves the master) restores and what :class:`MasterWeights` keeps the
-        model equal to; a resumed run would then differ. Those copies are made
-        from the stored masters after the op instead (one copy pass).
-        """
-        if not any(s.dtype == torch.bfloat16 and m.dtype != torch.bfloat16
-                   for s, m in zip(b.params, b.model_params)):
-            return b.model_params, lambda: None
-
-        def copy() -> None:
-            for (src, dst) in group_by_device_and_dtype(local_tensors(b.params),
-                                                        local_tensors(b.model_params)).values():
-                ops.multi_tensor_copy_(src, dst)
-        return [], copy
 
     def _step_skipped(self) -> bool:
         """Whether the step inputs' ``found_inf`` is set: then ``step()`` changes nothing.

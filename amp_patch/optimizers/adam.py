@@ -165,12 +165,10 @@ class FusedAdam(FusedOptimizer):
                 ops.multi_tensor_adam_(grads, params, m_codes, v_codes,
                                        local_tensors(b.model_params), b.noop, inv, **hyper)
                 continue
-            model_params, after = self._lean_model_params(b)
             ops.multi_tensor_adam_lean_(
                 grads, params, m_codes, local_tensors(_scales(m)), v_codes,
-                local_tensors(_scales(v)), local_tensors(model_params), b.noop, inv, **hyper,
+                local_tensors(_scales(v)), local_tensors(b.model_params), b.noop, inv, **hyper,
                 block_size=fmt.block_size, seed=self.rounding_seed)
-            after()
 
 
 def _scales(state: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:

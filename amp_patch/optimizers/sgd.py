@@ -146,12 +146,10 @@ class FusedSGD(FusedOptimizer):
                 continue
             if step is None:  # the rounding bits' step count, kept only by lean steps
                 step = self._next_step(group)
-            model_params, after = self._lean_model_params(b)
             ops.multi_tensor_sgd_lean_(
                 grads, params, codes, local_tensors([s for _, s in buffers if s is not None]),
-                local_tensors(model_params), b.noop, inv, **hyper,
+                local_tensors(b.model_params), b.noop, inv, **hyper,
                 step=step, block_size=fmt.block_size, seed=self.rounding_seed)
-            after()
 
     def _inv_scale(self, inv_scale: Tensor | None, batch: Any) -> Tensor | None:
         if self.most_recent_scale == 1.0:
