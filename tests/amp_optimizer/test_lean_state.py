@@ -31,7 +31,7 @@ from torch import nn
 
 import amp_patch as amp
 from amp_patch.amp_optimizer import LARC
-from amp_patch.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb,
+from amp_patch.optimizers import (FusedAdagrad, FusedAdam, FusedMixedPrecisionLamb,
                                   FusedNovoGrad, FusedSGD)
 from amp_patch.ops.lean_state_ops import decode
 from amp_patch.optimizers.state_format import SCALE_SUFFIX, SCALED_CODES
@@ -370,12 +370,11 @@ def _larc(cls, **kw):
 NOT_LEAN = {
     "torch.AdamW": lambda params: torch.optim.AdamW(params, lr=1e-3),
     "torch.SGD": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-    "FusedLAMB": lambda params: FusedLAMB(params, lr=1e-3),
     "FusedMixedPrecisionLamb": lambda params: FusedMixedPrecisionLamb(params, lr=1e-3),
     "FusedNovoGrad": lambda params: FusedNovoGrad(params, lr=1e-3),
     "FusedAdagrad": lambda params: FusedAdagrad(params, lr=1e-3),
     "LARC(torch.SGD)": _larc(torch.optim.SGD, lr=1e-3),
-    "LARC(FusedLAMB)": _larc(FusedLAMB, lr=1e-3),
+    "LARC(FusedNovoGrad)": _larc(FusedNovoGrad, lr=1e-3),
 }
 
 
@@ -450,12 +449,12 @@ def test_fused_optimizer_set_state_format_errors():
     net = model()
     with pytest.raises(ValueError, match="optimizer_state must be one of"):
         FusedAdam(net.parameters(), state_format="int4")
-    lamb = FusedLAMB(net.parameters(), lr=1e-3)
-    with pytest.raises(ValueError, match="FusedAdam and FusedSGD"):
-        lamb.set_state_format("int8")
-    with pytest.raises(ValueError, match="FusedAdam and FusedSGD"):
-        lamb.set_state_format("fp32", stochastic_rounding=True)
-    assert lamb.state_format.name == "fp32" and not lamb.stochastic_rounding
+    novograd = FusedNovoGrad(net.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="the optimizers that can are FusedAdam, FusedSGD"):
+        novograd.set_state_format("int8")
+    with pytest.raises(ValueError, match="the optimizers that can are FusedAdam, FusedSGD"):
+        novograd.set_state_format("fp32", stochastic_rounding=True)
+    assert novograd.state_format.name == "fp32" and not novograd.stochastic_rounding
 
 
 # --------------------------------------------------------------------------- 6. deinitialize
