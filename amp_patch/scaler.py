@@ -32,7 +32,10 @@ from torch import Tensor
 
 from amp_patch import ops
 from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
-from amp_patch.tensors import group_by_device_and_dtype  # re-exported: it was public here
+from amp_patch.tensors import (
+    group_by_device_and_dtype,  # re-exported: it was public here
+    local_tensors,
+)
 
 __all__ = ["AmpScaler", "LossScaleCollapseError", "group_by_device_and_dtype", "unscale_grads"]
 
@@ -246,6 +249,10 @@ class AmpScaler:
             grads (sequence of Tensor): the grads, in the order the norms
                 should sum them (an optimizer's ``param_groups`` order).
 
+        Sharded grads (FSDP2's DTensors) are read as this rank's shards: the
+        flag is agreed over the ranks when :meth:`update` reads it, but the
+        norms are then this rank's part only.
+
         Returns:
             dict: device to the L2 norm (0-dim fp32) of that device's grads, as
             stored (times the loss scale); LAMB reuses it for its clipping.
@@ -260,7 +267,7 @@ class AmpScaler:
             False
         """
         by_device: dict[torch.device, list[Tensor]] = {}
-        for g in grads:
+        for g in local_tensors(list(grads)):
             by_device.setdefault(g.device, []).append(g)
         norms = {}
         for device, device_grads in by_device.items():

@@ -264,7 +264,7 @@ def test_failure_after_patching_leaves_torch_unpatched(monkeypatch):
     before = _snapshot()
     import amp_patch.amp_optimizer as optim
 
-    def boom(*_):
+    def boom(*_, **__):
         raise RuntimeError("optimizer processing failed")
     monkeypatch.setattr(optim, "process", boom)
     m = _model()

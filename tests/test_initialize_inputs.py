@@ -66,7 +66,7 @@ def test_float64_params_pass_at_o1():
 def _fail_in_process(monkeypatch):
     import amp_patch.amp_optimizer as optim
 
-    def boom(*_):
+    def boom(*_, **__):
         raise RuntimeError("injected failure")
     monkeypatch.setattr(optim, "process", boom)
 

@@ -208,8 +208,12 @@ class MasterWeights:
         The optimizer state of each master moves to its model parameter, cast
         to that parameter's dtype as ``Optimizer.load_state_dict`` would (step
         counters unchanged). Values are not changed: after every step the
-        model already equals its masters.
+        model already equals its masters. An optimizer that converts its state
+        to its format at its next step (``LEAN_STATE``: amp_patch's FusedAdam
+        and FusedSGD, which keep fp32 or block-scaled state for half params)
+        keeps the state as it is, so that nothing is rounded away.
         """
+        keep = getattr(optimizer, "LEAN_STATE", False)
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
@@ -219,7 +223,7 @@ class MasterWeights:
                 params[i] = model_p
                 if p in optimizer.state:
                     optimizer.state[model_p] = {
-                        k: _state_to(v, model_p.dtype, model_p.device, k)
+                        k: _state_to(v, model_p.dtype, model_p.device, k, keep_dtype=keep)
                         for k, v in optimizer.state.pop(p).items()}
         self._model_of.clear()
         self._master_of.clear()
@@ -290,11 +294,12 @@ def match_state_to_params(optimizer: torch.optim.Optimizer, params: Iterable[Ten
             state[p] = {k: _state_to(v, p.dtype, p.device, k) for k, v in entry.items()}
 
 
-def _state_to(value: Any, dtype: torch.dtype, device: torch.device, key: str) -> Any:
+def _state_to(value: Any, dtype: torch.dtype, device: torch.device, key: str,
+              keep_dtype: bool = False) -> Any:
     # Optimizer.load_state_dict's rule: floating state follows the param, step counters do not;
     # nor do block-scaled codes and their scales (amp_patch.optimizers.state_format), which
-    # are not values.
+    # are not values. keep_dtype moves the state to the device only.
     if (isinstance(value, Tensor) and key != "step" and value.is_floating_point()
             and value.dtype not in SCALED_CODES and not key.endswith(SCALE_SUFFIX)):
-        return value.to(dtype=dtype, device=device)
+        return value.to(dtype=value.dtype if keep_dtype else dtype, device=device)
     return value

@@ -51,14 +51,15 @@ class _DeferredGrads:
             to its grad as stored (the half model grad, for a master).
         tensors (dict): device to the exit's ``inv_scale`` (a copy: the
             scaler's update may change its own) and a flag of its own.
-        norms (dict): device to the L2 norm of ``grads`` there, from the check.
+        norms (dict or None): device to the L2 norm of ``grads`` there, from the check; None
+            for sharded grads (the check reads only this rank's shards).
         versions (list): ``(grad, version)`` at the exit, to notice a grad
             written before the step.
     """
 
     grads: dict[Tensor, Tensor]
     tensors: dict[torch.device, "_DeviceTensors"]
-    norms: dict[torch.device, Tensor]
+    norms: dict[torch.device, Tensor] | None
     versions: list[tuple[Tensor, int]]
 
 
@@ -240,7 +241,10 @@ class OptimizerRecord:
             if model_p.grad is not None:
                 grads[stepped] = model_p.grad
         norms = scaler.check(list(grads.values()))
-        self._deferred = _DeferredGrads(grads, {dev: scaler.snapshot(dev) for dev in norms}, norms,
+        # The check's norms of sharded grads are this rank's part, not the whole's.
+        sharded = any(local_tensor(g) is not g for g in grads.values())
+        self._deferred = _DeferredGrads(grads, {dev: scaler.snapshot(dev) for dev in norms},
+                                        None if sharded else norms,
                                         [(g, g._version) for g in grads.values()])
         self.scaled_grads_pending = False
         return True

@@ -39,6 +39,7 @@ from amp_patch.amp_optimizer import underlying_optimizer
 from amp_patch.amp_optimizer.state_dict_hooks import MASTERS_KEY
 from amp_patch.frontend import check_scaler_states, load_state_dict, state_dict
 from amp_patch.model import named_parameters
+from amp_patch.optimizers.state_format import SCALE_SUFFIX, SCALED_CODES
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -132,7 +133,8 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None, *,
     import torch.distributed.checkpoint as dcp
 
     reader = storage_reader if storage_reader is not None else dcp.FileSystemReader(checkpoint_id)
-    keys = set(reader.read_metadata().state_dict_metadata)
+    metadata = reader.read_metadata().state_dict_metadata
+    keys = set(metadata)
     saved_ranks = sorted({int(k.split(".")[1][len("rank"):]) for k in keys
                           if k.startswith("rng.rank")})
     source = saved_ranks[_rank(process_group) % len(saved_ranks)] if saved_ranks else None
@@ -153,7 +155,9 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None, *,
         amp_state = _nested(plain, "amp")
         check_scaler_states(session, amp_state)
         del state["amp"]
-    for key in optimizer_keys:
+    for opt, key in zip(optimizers, optimizer_keys):
+        if _take_saved_codes(opt, key, metadata, names, session):
+            state[key]["state"] = _optimizer_state(opt, names, session)["state"]
         del state[key]["param_groups"]
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=reader,
@@ -306,6 +310,38 @@ def _load_optimizer(optimizer, saved: dict[str, Any], groups: list[dict],
             sd[MASTERS_KEY] = {i: p for i, p in enumerate(_flat(opt))
                                if record.masters.is_master(p)}
     opt.load_state_dict(sd)
+
+
+def _take_saved_codes(optimizer, prefix: str, metadata: Mapping[str, Any],
+                      names: dict[int, str], session) -> bool:
+    """Store the state of an optimizer with a state format (amp_patch's FusedAdam and FusedSGD,
+    see :mod:`amp_patch.optimizers.state_format`) in the codes the checkpoint holds.
+
+    ``dcp.load`` fills the live tensors in place and needs every entry the checkpoint has,
+    of its dtype: block-scaled codes have scales beside them that fp32 state lacks, and
+    int8 codes read into fp32 tensors would be taken for values. The state is converted
+    (decoded, encoded) to the saved codes first; its values are then overwritten by the
+    load, and the next step converts them to the optimizer's own format. Returns whether
+    anything was converted.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    opt = underlying_optimizer(optimizer)
+    if not getattr(opt, "LEAN_STATE", False):
+        return False
+    changed = False
+    for p, name in zip(_flat(opt), _stepped_names(opt, names, session)):
+        entry = opt.state.get(p) or {}
+        for key, value in list(entry.items()):
+            saved = metadata.get(f"{prefix}.state.{name}.{key}")
+            if (key == "step" or key.endswith(SCALE_SUFFIX) or not isinstance(value, torch.Tensor)
+                    or not isinstance(saved, TensorStorageMetadata)):
+                continue
+            dtype = saved.properties.dtype
+            if value.dtype != dtype or (key + SCALE_SUFFIX in entry) != (dtype in SCALED_CODES):
+                opt._lean_state(p, key, dtype)  # converts in place of the entry
+                changed = True
+    return changed
 
 
 def _flat(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

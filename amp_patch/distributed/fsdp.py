@@ -11,6 +11,9 @@ say what the opt level means:
   (``reduce_dtype``; a ``reduce_dtype`` set in the policy given to
   ``fully_shard`` is kept), so the grads land fp32 in the shards and the
   optimizer steps the shards directly: no second copy of the weights exists.
+  With ``master_weights="bf16"`` and a bf16 model the shards are cast to
+  bf16, as at O3, and are their own masters (stepped with stochastic
+  rounding); an fp16 model's shards stay fp32 masters there.
   With ``keep_batchnorm_fp32``, an FSDP state holding only affine batch norms
   all-gathers them in fp32.
 - O3 (pure half) and O0: the sharded parameters themselves are cast by
@@ -202,7 +205,11 @@ def prepare(props: Properties, models: list[nn.Module],
                 "gathers one group in one dtype. Call fully_shard on each batch norm before its "
                 "parent, or pass keep_batchnorm_fp32=False.")
         kept_only = any(kept)  # then every one (checked above): this state stays as it is
-        want = half if half is not None and props.master_weights and not kept_only else None
+        # bf16 masters of a bf16 model are the params themselves (master_weights="bf16"): the
+        # shards are cast, as at O3, and stepped with stochastic rounding, not kept fp32.
+        own_masters = props.master_dtype == half
+        want = (half if half is not None and props.master_weights and not kept_only
+                and not own_masters else None)
         # The dtype this state computes in once amp is done: gathered in half, cast, or its own.
         cast = props.cast_model_type if props.casts_model and not kept_only else None
         policies.append(_policy(state, want, want or cast or _own_dtype(state), props.opt_level))

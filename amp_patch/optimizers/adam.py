@@ -8,6 +8,7 @@ import torch
 
 from amp_patch import ops
 from amp_patch.optimizers._base import FusedOptimizer, _on
+from amp_patch.tensors import local_tensors
 
 __all__ = ["FusedAdam"]
 
@@ -157,14 +158,17 @@ class FusedAdam(FusedOptimizer):
             hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                          step=step, adam_w_mode=bool(self.adam_w_mode),
                          bias_correction=bias_correction)
+            # The ops take plain tensors: FSDP2's DTensors hand in their local shards.
+            grads, params = local_tensors(b.grads), local_tensors(b.params)
+            m_codes, v_codes = local_tensors([c for c, _ in m]), local_tensors([c for c, _ in v])
             if not self._lean_step(b):
-                ops.multi_tensor_adam_(b.grads, b.params, [c for c, _ in m], [c for c, _ in v],
-                                       b.model_params, b.noop, inv, **hyper)
+                ops.multi_tensor_adam_(grads, params, m_codes, v_codes,
+                                       local_tensors(b.model_params), b.noop, inv, **hyper)
                 continue
             ops.multi_tensor_adam_lean_(
-                b.grads, b.params, [c for c, _ in m], _scales(m), [c for c, _ in v], _scales(v),
-                b.model_params, b.noop, inv, **hyper, block_size=fmt.block_size,
-                seed=self.rounding_seed)
+                grads, params, m_codes, local_tensors(_scales(m)), v_codes,
+                local_tensors(_scales(v)), local_tensors(b.model_params), b.noop, inv, **hyper,
+                block_size=fmt.block_size, seed=self.rounding_seed)
 
 
 def _scales(state: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:

@@ -85,14 +85,18 @@ class _LambBase(FusedOptimizer):
             out = [local_tensor(b.model_params[i])] if b.model_params else []
             param_norms, update_norms = ops.multi_tensor_lamb_stage1_(
                 [local_tensor(grad)], [p], [m], [v], b.noop, b.inv_scale, norm, **stage1)
-            ops.multi_tensor_lamb_stage2_([p], [m], [v], param_norms, update_norms, out, b.noop,
-                                          lr=lr, **hyper)
+            # A model copy of a bf16 master is written from the master as stored (below), so
+            # that the model is always its master rounded, as a checkpoint restores it.
+            ops.multi_tensor_lamb_stage2_([p], [m], [v], param_norms, update_norms,
+                                          out if p is target else [], b.noop, lr=lr, **hyper)
             with torch.no_grad():
                 if p is not target:
                     if target.dtype == torch.bfloat16 and self.stochastic_rounding:
                         p = stochastic_round_bf16(p, random_bits(
                             self.rounding_seed, hyper["step"], i, p.numel(), p.device))
                     target.copy_(p)
+                    for model_p in out:
+                        model_p.copy_(target)
                 for codes, scales, value in ((mc, ms, m), (vc, vs, v)):
                     new_codes, new_scales = encode(value, codes.dtype, fmt.block_size)
                     local_tensor(codes).copy_(new_codes)
@@ -156,6 +160,10 @@ class FusedLAMB(_LambBase):
     """
 
     LEAN_STATE = True
+    # Under a lean format the moments' dtype is the format's, not the param's (fp32 moments of
+    # bf16 params rounded stochastically): load_state_dict keeps them as saved, and the next
+    # step converts them if the format asks for another (FusedOptimizer._lean_state).
+    _KEEP_SAVED_DTYPE = ("master_param", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,

@@ -10,6 +10,7 @@ from torch.optim.optimizer import required
 
 from amp_patch import ops
 from amp_patch.optimizers._base import FusedOptimizer
+from amp_patch.tensors import local_tensors
 
 __all__ = ["FusedSGD"]
 
@@ -62,6 +63,10 @@ class FusedSGD(FusedOptimizer):
     """
 
     LEAN_STATE = True
+    # A buffer's dtype is the format's, which need not be the param's (fp32 buffers of bf16
+    # params stepped with stochastic rounding): load_state_dict keeps it as saved, and the
+    # next step converts it if the format asks for another (FusedOptimizer._lean_state).
+    _KEEP_SAVED_DTYPE = ("master_param", "momentum_buffer")
 
     # lr is a float, or torch's ``required`` marker when it is not given.
     def __init__(self, params: Any, lr: Any = required, momentum: float = 0.0,
@@ -132,15 +137,18 @@ class FusedSGD(FusedOptimizer):
                          dampening=group["dampening"], nesterov=group["nesterov"],
                          first_run=first_run, wd_after_momentum=self.wd_after_momentum)
             inv = self._inv_scale(b.inv_scale, b)
+            # The ops take plain tensors: FSDP2's DTensors hand in their local shards.
+            grads, params = local_tensors(b.grads), local_tensors(b.params)
+            codes = local_tensors([c for c, _ in buffers])
             if not lean:
-                ops.multi_tensor_sgd_(b.grads, b.params, [c for c, _ in buffers], b.model_params,
+                ops.multi_tensor_sgd_(grads, params, codes, local_tensors(b.model_params),
                                       b.noop, inv, **hyper)
                 continue
             if step is None:  # the rounding bits' step count, kept only by lean steps
                 step = self._next_step(group)
             ops.multi_tensor_sgd_lean_(
-                b.grads, b.params, [c for c, _ in buffers],
-                [s for _, s in buffers if s is not None], b.model_params, b.noop, inv, **hyper,
+                grads, params, codes, local_tensors([s for _, s in buffers if s is not None]),
+                local_tensors(b.model_params), b.noop, inv, **hyper,
                 step=step, block_size=fmt.block_size, seed=self.rounding_seed)
 
     def _inv_scale(self, inv_scale: Tensor | None, batch: Any) -> Tensor | None:

@@ -349,6 +349,162 @@ for _loop in LOOPS:
                 lambda ctx, _a=_loop, _s=_strategy, _l=_level: loop_case(ctx, _a, _s, _l))
 
 
+# --------------------------------------------------------------------------- lean optimizer state
+
+
+#: FSDP2 with low-precision optimizer state (issue 24): setting -> (optimizer, its arguments,
+#: optimizer_state, master_weights).
+LEAN = {
+    "adamw-int8-mwbf16": ("FusedAdam", dict(lr=1e-2, weight_decay=0.01), "int8", "bf16"),
+    "sgd-fp8-mwTrue": ("FusedSGD", dict(lr=0.05, momentum=0.9), "fp8", True),
+    # The fused optimizer's own fp32 state on FSDP2 (its ops take the local shards too).
+    "adamw-fp32-mwTrue": ("FusedAdam", dict(lr=1e-2, weight_decay=0.01), "fp32", True),
+}
+
+
+class LeanRun:
+    """A model with two weights of block-scaled state (512 x 8: one block per row; 16 x 512:
+    two), FSDP2-sharded or whole, at O2 with a lean optimizer state."""
+
+    def __init__(self, ctx: dc.Ctx, setting: str, sharded: bool, seed: int = 0) -> None:
+        from amp_patch import optimizers
+
+        name, kwargs, state, masters = LEAN[setting]
+        self.ctx, self.sharded = ctx, sharded
+        torch.manual_seed(seed)
+        self.model = nn.Sequential(nn.Linear(8, 512), nn.ReLU(), nn.Linear(512, 16), nn.ReLU(),
+                                   nn.Linear(16, 4))
+        if sharded:
+            dc.shard(self.model)
+        self.opt = getattr(optimizers, name)(self.model.parameters(), **kwargs)
+        self.model, self.opt = amp.initialize(
+            self.model, self.opt, opt_level="O2", half_dtype=torch.bfloat16, loss_scale="dynamic",
+            verbosity=0, optimizer_state=state, master_weights=masters)
+        self.losses: list[float] = []
+
+    def step(self, step: int, poison: bool = False) -> None:
+        x, y = dc.local_batch(self.ctx, step) if self.sharded else dc.global_batch(step)
+        loss = F.cross_entropy(self.model(x).float(), y)
+        with amp.scale_loss(loss, self.opt) as scaled:
+            scaled.backward()
+            if poison and (not self.sharded or self.ctx.rank == self.ctx.world - 1):
+                local_tensor(self.model[0].weight.grad).view(-1)[0] = float("inf")
+        self.opt.step()
+        self.opt.zero_grad()
+        self.losses.append(dc.mean_over_ranks(loss) if self.sharded else loss.item())
+
+    def snapshot(self) -> list:
+        """This rank's bits of every param, stepped tensor, state entry and step counter."""
+        out: list = [local_tensor(p).detach().clone() for p in self.model.parameters()]
+        for group in self.opt.param_groups:
+            out.append(group.get("step"))
+            for p in group["params"]:
+                out.append(local_tensor(p).detach().clone())
+                for key, value in sorted(self.opt.state.get(p, {}).items()):
+                    out.append((key, local_tensor(value).detach().clone()
+                                if isinstance(value, torch.Tensor) else value))
+        return out
+
+
+def _same_bits(a: list, b: list, what: str) -> None:
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, tuple):
+            assert x[0] == y[0], (what, i, x[0], y[0])
+            x, y = x[1], y[1]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape, (what, i, x.dtype, y.dtype)
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), \
+                f"{what}: tensor {i} differs"
+        else:
+            assert x == y, (what, i, x, y)
+
+
+def _check_lean_sharding(run: LeanRun) -> int:
+    """Every code tensor is a DTensor sharded like its param, its scales sharded on dim 0 with
+    the rows; returns how many block-scaled tensors there are."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from amp_patch.ops.lean_state_ops import SCALED_CODES, scale_shape
+
+    scaled = 0
+    for p in amp.master_params(run.opt):
+        assert isinstance(p, DTensor)
+        for key, value in run.opt.state[p].items():
+            if not isinstance(value, torch.Tensor) or key == "step" or key.endswith("_scale"):
+                continue
+            assert isinstance(value, DTensor) and value.placements == p.placements, key
+            assert value.shape == p.shape, (key, value.shape, p.shape)
+            if value.dtype not in SCALED_CODES:
+                continue
+            scaled += 1
+            scales = run.opt.state[p][key + "_scale"]
+            assert isinstance(scales, DTensor) and scales.placements == (Shard(0),), key
+            assert tuple(scales.shape) == scale_shape(p.shape), (scales.shape, p.shape)
+            rows = p.shape[0] // run.ctx.world
+            assert tuple(scales.to_local().shape) == (rows, scales.shape[1]), scales.shape
+    return scaled
+
+
+def lean_case(ctx: dc.Ctx, setting: str) -> None:
+    """FSDP2 steps the lean state on its shards: an overflow on one rank skips the step on every
+    rank without changing a bit, codes and scales are DTensors sharded on dim 0, the losses
+    follow one process on the whole batch (within O2's tolerance: the stochastic rounding draws
+    per shard), and a DCP checkpoint resumes bit for bit into a fresh sharded model."""
+    import torch.distributed.checkpoint as dcp
+
+    ref = LeanRun(ctx, setting, sharded=False)
+    for s in range(4):
+        ref.step(s, poison=s == 1)
+    ref_stepped = [p.detach().clone() for p in amp.master_params(ref.opt)]
+    amp.deinitialize()
+
+    run = LeanRun(ctx, setting, sharded=True)
+    run.step(0)
+    before = run.snapshot()
+    run.step(1, poison=True)
+    _same_bits(before, run.snapshot(), "the skipped step")
+    assert amp.state_dict()["loss_scaler0"]["skipped"] == 1
+    run.step(2)
+    scaled = 0 if LEAN[setting][2] == "fp32" else 4 if setting.startswith("adam") else 2
+    assert _check_lean_sharding(run) == scaled  # the two large weights' moments or buffers
+    # bf16 masters of a bf16 model are the bf16 shards themselves; fp32 ones are fp32 shards.
+    masters = {p.dtype for p in amp.master_params(run.opt)}
+    assert masters == {torch.bfloat16 if setting.endswith("mwbf16") else torch.float32}, masters
+    path = ctx.out / f"lean-{setting}"
+    amp.save_checkpoint(path, run.model, run.opt)
+    run.step(3)
+    rtol, atol = dc.TOLERANCE["O2"]
+    dc.close(run.losses, ref.losses, rtol, atol, f"lean {setting} losses")
+    lr = run.opt.param_groups[0]["lr"]
+    for i, (p, r) in enumerate(zip(amp.master_params(run.opt), ref_stepped)):
+        full = dc.full(p)
+        if setting.startswith("adam"):
+            # Adam steps a grad near 0 by about lr either way: where the sign of m differs
+            # (reduction order), an element is a step or two apart.
+            diff = (full.float() - r.float()).abs()
+            assert diff.max() <= 4 * lr and diff.mean() < lr / 10, (i, diff.max(), diff.mean())
+        else:
+            dc.close(full, r, rtol, atol, f"lean {setting} parameter {i}")
+    expected = run.snapshot()
+    amp.deinitialize()
+
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    first = "exp_avg" if setting.startswith("adam") else "momentum_buffer"
+    if scaled:
+        assert tuple(saved[f"optimizer.state.2.weight.{first}_scale"].size) == (16, 2)
+        assert tuple(saved[f"optimizer.state.0.weight.{first}_scale"].size) == (512, 1)
+    resumed = LeanRun(ctx, setting, sharded=True, seed=1)
+    amp.load_checkpoint(path, resumed.model, resumed.opt)
+    resumed.step(3)
+    _same_bits(resumed.snapshot(), expected, "resumed from DCP")
+    amp.deinitialize()
+
+
+for _setting in LEAN:
+    CASES[f"lean:fsdp2:{_setting}"] = lambda ctx, _s=_setting: lean_case(ctx, _s)
+
+
 # --------------------------------------------------------------------------- the debug mode
 
 

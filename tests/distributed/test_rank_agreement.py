@@ -7,7 +7,8 @@ accumulation with FSDP2's ``set_requires_gradient_sync(False)`` and DDP's
 forwards before the backwards of two losses; f: a frozen submodule, and an
 unused parameter under DDP's ``find_unused_parameters``; g: an overflow on
 one rank only, in fp16; h: a DCP resume from world size 1 onto 2, then loop
-a) at O0-O3, on FSDP2 and on DDP. One group of 2 gloo processes, started at
+a) at O0-O3, on FSDP2 and on DDP; and FSDP2 with low-precision optimizer
+state, ``lean:*``. One group of 2 gloo processes, started at
 the first test of this module, runs them all with ``AMP_PATCH_DEBUG_RANKS=1``;
 each test reads its case's outcome. The parts that need no process group are
 tested here directly.
@@ -61,6 +62,15 @@ def _check(name: str, tmp_path_factory) -> None:
 @pytest.mark.parametrize("loop", _loop_cases.LOOPS)
 def test_ranks_agree_and_match_one_process(loop, strategy, level, tmp_path_factory):
     _check(f"{loop}:{strategy}:{level}", tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", sorted(_loop_cases.LEAN))
+def test_fsdp2_shards_lean_optimizer_state(setting, tmp_path_factory):
+    """Low-precision optimizer state on FSDP2 (issue 24): the ops step the local shards, codes
+    and scales are DTensors sharded on dim 0, an overflow on one rank changes no bit on any,
+    and a DCP checkpoint resumes bit for bit."""
+    _check(f"lean:fsdp2:{setting}", tmp_path_factory)
 
 
 @pytest.mark.slow
