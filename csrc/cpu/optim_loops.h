@@ -9,8 +9,12 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace amp_patch::optim {
@@ -193,9 +197,154 @@ void lamb_apply_loop(float* p, const float* m, const float* v, int64_t n, float 
   });
 }
 
+// ---------------------------------------------------------------- lean state
+// The codes of the lean-state ops (optim_math.h's StateCode; the rules and the
+// reference in amp_patch/ops/lean_state_ops.py). Each loop covers n elements
+// of one row from a block boundary; block b of them has scales[b].
+
+// Calls f(block, offset, length) for each block of [0, n).
+template <typename F>
+inline void for_code_blocks(int64_t n, int64_t block_size, F&& f) {
+  int64_t b = 0;
+  for (int64_t j = 0; j < n; j += block_size, ++b) {
+    f(b, j, std::min(block_size, n - j));
+  }
+}
+
+void f32_decode(const void* codes, const float*, float* out, int64_t n, int64_t) {
+  std::memcpy(out, codes, n * sizeof(float));
+}
+
+void f32_encode(float* x, void* codes, float*, int64_t n, int64_t) {
+  std::memcpy(codes, x, n * sizeof(float));
+}
+
+void bf16_decode(const void* codes, const float*, float* out, int64_t n, int64_t) {
+  copy_loop<c10::BFloat16, float>(codes, out, n);
+}
+
+void bf16_encode(float* x, void* codes, float*, int64_t n, int64_t) {
+  copy_loop<float, c10::BFloat16>(x, codes, n);
+}
+
+template <optim::StateCode C>
+using CodeType = std::conditional_t<C == optim::StateCode::kInt8, int8_t, uint8_t>;
+
+// q * (s / max), one fp32 division per block; the square-root code squares it.
+template <optim::StateCode C>
+void scaled_decode(const void* codes, const float* scales, float* out, int64_t n,
+                   int64_t block_size) {
+  const float top = optim::code_max(C);
+  const CodeType<C>* c = static_cast<const CodeType<C>*>(codes);
+  for_code_blocks(n, block_size, [&](int64_t b, int64_t j, int64_t len) {
+    const float f = scales[b] / top;
+    const CodeType<C>* cb = c + j;
+    float* ob = out + j;
+    if constexpr (C == optim::StateCode::kE4M3) {
+      for (int64_t k = 0; k < len; ++k) {
+        ob[k] = static_cast<float>(c10::Float8_e4m3fn(cb[k], c10::Float8_e4m3fn::from_bits())) * f;
+      }
+    } else if constexpr (C == optim::StateCode::kSqrtU8) {
+      for (int64_t k = 0; k < len; ++k) {
+        const float r = static_cast<float>(cb[k]) * f;
+        ob[k] = r * r;
+      }
+    } else {
+      for (int64_t k = 0; k < len; ++k) {
+        ob[k] = static_cast<float>(cb[k]) * f;
+      }
+    }
+  });
+}
+
+// The largest |x| of a block, NaN when any element is NaN (torch's amax).
+inline float block_absmax(const float* x, int64_t len) {
+  FVec acc(0.0f);
+  for_vectors(len, [&](int64_t i, int64_t c) {
+    acc = at::vec::maximum(acc, load(x + i, c).abs());  // the zero padding changes nothing
+  });
+  float lanes[FVec::size()];
+  acc.store(lanes);
+  float m = 0.0f;
+  for (float v : lanes) {
+    m = (v != v || v > m) ? v : m;  // once NaN, stays NaN
+  }
+  return m;
+}
+
+// s = the block's largest magnitude (of sqrt(x) for the square-root code),
+// factor = max / s; a block whose factor is not finite stores codes 0. The
+// integer codes are rne(x * factor) clamped, a NaN product (an inf beside a
+// finite factor) stored as 0, as torch casts NaN to an integer type.
+template <optim::StateCode C>
+void scaled_encode(float* x, void* codes, float* scales, int64_t n, int64_t block_size) {
+  const float top = optim::code_max(C);
+  CodeType<C>* c = static_cast<CodeType<C>*>(codes);
+  for_code_blocks(n, block_size, [&](int64_t b, int64_t j, int64_t len) {
+    float* xb = x + j;
+    CodeType<C>* cb = c + j;
+    if constexpr (C == optim::StateCode::kSqrtU8) {
+      for_vectors(len, [&](int64_t i, int64_t w) { load(xb + i, w).sqrt().store(xb + i, w); });
+    }
+    const float s = block_absmax(xb, len);
+    scales[b] = s;
+    const float factor = top / s;
+    if (!std::isfinite(factor)) {
+      std::memset(static_cast<void*>(cb), 0, len);
+      return;
+    }
+    const FVec fv(factor);
+    if constexpr (C == optim::StateCode::kE4M3) {
+      for_vectors(len, [&](int64_t i, int64_t w) { (load(xb + i, w) * fv).store(xb + i, w); });
+      for (int64_t k = 0; k < len; ++k) {
+        cb[k] = c10::Float8_e4m3fn(xb[k]).x;
+      }
+    } else {
+      for_vectors(len, [&](int64_t i, int64_t w) {
+        (load(xb + i, w) * fv).round().store(xb + i, w);  // round half to even
+      });
+      const float lo = C == optim::StateCode::kInt8 ? -127.0f : 1.0f;
+      for (int64_t k = 0; k < len; ++k) {
+        const float q = xb[k];
+        const float clamped = std::min(std::max(q, lo), top);
+        cb[k] = q != q ? CodeType<C>(0)
+                       : static_cast<CodeType<C>>(static_cast<int32_t>(clamped));
+      }
+    }
+  });
+}
+
+// The bits of element e0 + k of the tensor with key `key` are added to the
+// low half of its fp32 pattern, which is then cut; a non-finite value keeps
+// its high half (a NaN stays a NaN).
+void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, int64_t e0) {
+  uint16_t* o = static_cast<uint16_t*>(out);
+  const uint32_t first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t u;
+    std::memcpy(&u, x + k, sizeof(u));
+    const uint32_t r =
+        optim::fmix32(key ^ ((first + static_cast<uint32_t>(k)) * optim::kHashK0)) >> 16;
+    const uint32_t nearest = (u >> 16) | ((u & 0x7FFFFFu) != 0 ? 0x40u : 0u);
+    o[k] = static_cast<uint16_t>(optim::finite_bits(u) ? (u + r) >> 16 : nearest);
+  }
+}
+
 OptimTable optim_table() {
-  OptimTable t{&adam_loop,    &sgd_loop,          &adagrad_loop, &novograd_loop,
-               &lamb_moments_loop, &lamb_apply_loop, {}};
+  using optim::StateCode;
+  // By position: the members of OptimTable in order; the codes in StateCode's order.
+  OptimTable t{&adam_loop,
+               &sgd_loop,
+               &adagrad_loop,
+               &novograd_loop,
+               &lamb_moments_loop,
+               &lamb_apply_loop,
+               {&f32_decode, &bf16_decode, &scaled_decode<StateCode::kInt8>,
+                &scaled_decode<StateCode::kSqrtU8>, &scaled_decode<StateCode::kE4M3>},
+               {&f32_encode, &bf16_encode, &scaled_encode<StateCode::kInt8>,
+                &scaled_encode<StateCode::kSqrtU8>, &scaled_encode<StateCode::kE4M3>},
+               &stochastic_bf16_loop,
+               {}};
   using c10::BFloat16;
   using c10::Half;
   // [grad dtype][model dtype, or kNumDt for no model]

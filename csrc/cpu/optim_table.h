@@ -36,6 +36,22 @@ using LambApplyLoop = void (*)(float* p, const float* m, const float* v, int64_t
 using AdamMixedLoop = void (*)(const void* g, float* p, float* m, float* v, void* model,
                                int64_t n, const optim::AdamHyper& h);
 
+// The lean-state ops (optim_math.h's StateCode). Each covers n elements of one
+// row that start at a block boundary: blocks of block_size elements, the last
+// one shorter when the row ends there; scales holds one fp32 scale per block.
+// Decode writes the fp32 values of the codes (scales unused for float32 and
+// bfloat16 codes).
+using LeanDecodeLoop = void (*)(const void* codes, const float* scales, float* out, int64_t n,
+                                int64_t block_size);
+// Encode stores fp32 x as codes and writes each block's scale; x is scratch
+// (the square-root code overwrites it).
+using LeanEncodeLoop = void (*)(float* x, void* codes, float* scales, int64_t n,
+                                int64_t block_size);
+// bf16 out = x with stochastic rounding: the bits of element e0 + k of the
+// tensor with hash key `key` (optim::rounding_bits); non-finite x to nearest.
+using StochasticBf16Loop = void (*)(const float* x, void* out, int64_t n, uint32_t key,
+                                    int64_t e0);
+
 struct OptimTable {
   AdamLoop adam;
   SgdLoop sgd;
@@ -43,6 +59,9 @@ struct OptimTable {
   NovoGradLoop novograd;
   LambMomentsLoop lamb_moments;
   LambApplyLoop lamb_apply;
+  LeanDecodeLoop lean_decode[optim::kNumStateCodes];  // [StateCode]
+  LeanEncodeLoop lean_encode[optim::kNumStateCodes];
+  StochasticBf16Loop stochastic_bf16;
   // [grad dtype][model dtype, kNumDt for none]; null where the tiles of
   // optim_ops.cpp serve (fp64, an fp32 model copy).
   AdamMixedLoop adam_mixed[kNumDt][kNumDt + 1];
