@@ -420,7 +420,7 @@ def process(optimizer: torch.optim.Optimizer, master_weights: bool | torch.dtype
 
     Raises:
         ValueError: a low-precision ``optimizer_state`` or bf16 masters for an
-            optimizer that cannot keep them (anything but FusedAdam and FusedSGD).
+            optimizer that cannot keep them (anything but FusedAdam, FusedSGD, FusedLAMB).
 
     Example::
 
@@ -465,6 +465,7 @@ def _check_lean(optimizer: torch.optim.Optimizer, optimizer_state: str,
         + (["master_weights='bf16'"] if master_weights == torch.bfloat16 else []))
     raise ValueError(
         f"{asked} needs an optimizer that keeps low-precision state and rounds bf16 params "
-        f"stochastically: amp_patch.optimizers.FusedAdam or FusedSGD. {type(fused).__name__} "
+        f"stochastically: amp_patch.optimizers.FusedAdam, FusedSGD or FusedLAMB. "
+        f"{type(fused).__name__} "
         "keeps its own fp32 state; build the optimizer as FusedAdam(params, ...) (the same "
         "arguments as torch.optim.AdamW) or FusedSGD, or leave optimizer_state at 'fp32'.")

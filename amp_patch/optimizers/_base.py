@@ -185,7 +185,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if (fmt.is_lean or stochastic_rounding) and not self.LEAN_STATE:
             raise ValueError(
                 f"{type(self).__name__} cannot keep its state in {fmt.name!r} or round "
-                "stochastically; the optimizers that can are FusedAdam and FusedSGD")
+                "stochastically; the optimizers that can are FusedAdam, FusedSGD and FusedLAMB")
         previous, self.state_format = self.state_format, fmt
         if stochastic_rounding is not None:
             self.stochastic_rounding = bool(stochastic_rounding)

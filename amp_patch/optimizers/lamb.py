@@ -24,7 +24,9 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.optimizers._base import FusedOptimizer
+from amp_patch.ops.lean_state_ops import decode, encode, random_bits, stochastic_round_bf16
+from amp_patch.optimizers._base import FusedOptimizer, _Batch
+from amp_patch.tensors import local_tensor
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
 
@@ -49,16 +51,53 @@ class _LambBase(FusedOptimizer):
                          weight_decay=group["weight_decay"], step=step,
                          bias_correction=bool(group["bias_correction"]),
                          adam_w_mode=bool(self.adam_w_mode), use_nvlamb=bool(self.use_nvlamb))
+            stage1 = dict(max_grad_norm=max_grad_norm,
+                          grad_averaging=bool(group["grad_averaging"]), **hyper)
             for b in group_batches:
-                m = [self._state_tensor(p, "exp_avg") for p in b.keys]
-                v = [self._state_tensor(p, "exp_avg_sq") for p in b.keys]
+                if self._lean_step(b):
+                    self._lean_batch(b, norms[b.device], lr, stage1, hyper)
+                    continue
+                # The param's dtype, converted back if a lean format stored it otherwise.
+                m = [self._lean_state(p, "exp_avg", s.dtype)[0] for p, s in zip(b.keys, b.params)]
+                v = [self._lean_state(p, "exp_avg_sq", s.dtype)[0]
+                     for p, s in zip(b.keys, b.params)]
                 param_norms, update_norms = ops.multi_tensor_lamb_stage1_(
-                    b.grads, b.params, m, v, b.noop, b.inv_scale, norms[b.device],
-                    max_grad_norm=max_grad_norm, grad_averaging=bool(group["grad_averaging"]),
-                    **hyper)
+                    b.grads, b.params, m, v, b.noop, b.inv_scale, norms[b.device], **stage1)
                 ops.multi_tensor_lamb_stage2_(
                     b.params, m, v, param_norms, update_norms, b.model_params, b.noop,
                     lr=lr, **hyper)
+
+    def _lean_batch(self, b: _Batch, norm: Tensor, lr: float, stage1: dict[str, Any],
+                    hyper: dict[str, Any]) -> None:
+        """LAMB over low-precision state, one tensor at a time: decode its moments (and widen a
+        bf16 param) to fp32, run both fused stages on them, then encode the moments and write
+        the param (stochastically rounded when it is a bf16 master). The fp32 copies exist for
+        one tensor at a time; unlike Adam's and SGD's lean ops this is not one pass."""
+        fmt = self.state_format
+        for i, (key, stepped, grad) in enumerate(zip(b.keys, b.params, b.grads)):
+            first, second = fmt.codes(key)
+            (mc, ms), (vc, vs) = (self._lean_state(key, "exp_avg", first),
+                                  self._lean_state(key, "exp_avg_sq", second))
+            m = decode(local_tensor(mc), None if ms is None else local_tensor(ms), fmt.block_size)
+            v = decode(local_tensor(vc), None if vs is None else local_tensor(vs), fmt.block_size)
+            target = local_tensor(stepped)
+            p = target if target.dtype == torch.float32 else target.float()
+            out = [local_tensor(b.model_params[i])] if b.model_params else []
+            param_norms, update_norms = ops.multi_tensor_lamb_stage1_(
+                [local_tensor(grad)], [p], [m], [v], b.noop, b.inv_scale, norm, **stage1)
+            ops.multi_tensor_lamb_stage2_([p], [m], [v], param_norms, update_norms, out, b.noop,
+                                          lr=lr, **hyper)
+            with torch.no_grad():
+                if p is not target:
+                    if target.dtype == torch.bfloat16 and self.stochastic_rounding:
+                        p = stochastic_round_bf16(p, random_bits(
+                            self.rounding_seed, hyper["step"], i, p.numel(), p.device))
+                    target.copy_(p)
+                for codes, scales, value in ((mc, ms, m), (vc, vs, v)):
+                    new_codes, new_scales = encode(value, codes.dtype, fmt.block_size)
+                    local_tensor(codes).copy_(new_codes)
+                    if scales is not None:
+                        local_tensor(scales).copy_(new_scales)  # type: ignore[arg-type]
 
 
 class FusedLAMB(_LambBase):
@@ -79,7 +118,11 @@ class FusedLAMB(_LambBase):
     them with ``use_nvlamb``) when both norms are non-zero; otherwise
     :math:`r = 1`. The global norm is taken over every grad of the optimizer, and
     clipping uses the constructor's ``max_grad_norm`` for all groups, as in Apex.
-    State (``exp_avg``, ``exp_avg_sq``) has each param's dtype.
+    State (``exp_avg``, ``exp_avg_sq``) has each param's dtype, or the codes of
+    a low-precision ``state_format`` (set by ``initialize(optimizer_state=...)``;
+    see :mod:`amp_patch.optimizers.state_format`): then each tensor's moments
+    are decoded to fp32 for its two stages and encoded after, one tensor at a
+    time, rather than in one pass as FusedAdam's.
 
     Args:
         params (iterable): parameters or parameter groups.
@@ -99,6 +142,8 @@ class FusedLAMB(_LambBase):
             0 or None turns clipping off. Default: 1.0.
         use_nvlamb (bool, optional): apply the trust ratio to parameters without
             weight decay too. Default: False.
+        state_format (str, optional): ``"fp32"`` (each param's dtype),
+            ``"bf16"``, ``"int8"`` or ``"fp8"``. Default: ``"fp32"``.
 
     Raises:
         RuntimeError: ``amsgrad=True``.
@@ -110,17 +155,21 @@ class FusedLAMB(_LambBase):
         >>> opt.step()
     """
 
+    LEAN_STATE = True
+
     def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, amsgrad: bool = False, adam_w_mode: bool = True,
                  grad_averaging: bool = True, set_grad_none: bool = True,
-                 max_grad_norm: float = 1.0, use_nvlamb: bool = False) -> None:
+                 max_grad_norm: float = 1.0, use_nvlamb: bool = False,
+                 state_format: str = "fp32") -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging,
                         max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, set_grad_none=set_grad_none,
+                         state_format=state_format)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
 
