@@ -140,6 +140,28 @@ def train(factory: Callable[[int], models.Workload], setting: Setting, seed: int
     return losses, seconds
 
 
+def optimizer_bytes(factory: Callable[[int], models.Workload], setting: Setting) -> float:
+    """Bytes the optimizer holds per model parameter under ``setting``, after one step:
+    its state (codes and scales) and the masters that are not the model's own params."""
+    model, optimizer, batch_fn, loss_fn = factory(0)
+    model, optimizer = amp.initialize(
+        model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
+        optimizer_state=setting.optimizer_state, master_weights=setting.master_weights)
+    try:
+        with amp.scale_loss(loss_fn(model, batch_fn(0)), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        own = {id(p) for p in model.parameters()}
+        held = [p for group in optimizer.param_groups for p in group["params"]
+                if id(p) not in own]
+        held += [v for state in optimizer.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor)]
+        total = sum(t.numel() * t.element_size() for t in held)
+    finally:
+        amp.deinitialize()
+    return total / models.parameter_count(model)
+
+
 def final_loss(losses: list[float]) -> float:
     """The mean of the last :data:`TAIL` losses."""
     tail = losses[-TAIL:]
@@ -162,23 +184,29 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         res["final"] = finals
         res["gap_pct"] = {label: 100.0 * (f - base) / base for label, f in finals.items()}
         res["seed_spread_pct"] = 100.0 * (max(seeds) - min(seeds)) / base
+        res["optimizer_bytes_per_param"] = {
+            st.label: optimizer_bytes(WORKLOADS[model], st) for st in (O2, *LEAN, CONTROL)}
     return results
 
 
 def table(results: dict[str, Any]) -> str:
-    """The markdown table of final losses and gaps, one column per model."""
+    """The markdown table: per model, the optimizer's bytes per param, final loss and gap."""
     names = list(results["models"])
-    header = ["setting"] + [f"{m}: final loss" for m in names] + [f"{m}: gap to O2" for m in names]
+    header = ["setting"] + [f"{m}: {col}" for m in names
+                            for col in ("optimizer B/param", "final loss", "gap to O2")]
     rows: list[list[str]] = []
     for st, seed in [(O2, s) for s in BASELINE_SEEDS] + [(st, 0) for st in (*LEAN, CONTROL)]:
         label = f"O2 seed {seed}" if st == O2 else st.label
-        key = f"{{m}} {label}"
-        finals = [f"{results['models'][m]['final'][key.format(m=m)]:.4f}" for m in names]
-        gaps = ["(baseline)" if st == O2 and seed == 0
-                else f"{results['models'][m]['gap_pct'][key.format(m=m)]:+.2f}%" for m in names]
-        rows.append([label] + finals + gaps)
-    spread = ["O2's seed spread (max - min of seeds 0-2)"] + [""] * len(names) + [
-        f"{results['models'][m]['seed_spread_pct']:.2f}%" for m in names]
+        row = [label]
+        for m in names:
+            res, key = results["models"][m], f"{m} {label}"
+            row += [f"{res['optimizer_bytes_per_param'][st.label]:.2f}" if seed == 0 else "",
+                    f"{res['final'][key]:.4f}",
+                    "(baseline)" if st == O2 and seed == 0 else f"{res['gap_pct'][key]:+.2f}%"]
+        rows.append(row)
+    spread = ["O2's seed spread (max - min over seeds 0-2)"]
+    for m in names:
+        spread += ["", "", f"{results['models'][m]['seed_spread_pct']:.2f}%"]
     rows.append(spread)
     return common.markdown_table(header, rows)
 
