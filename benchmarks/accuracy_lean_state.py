@@ -260,7 +260,7 @@ def plot(results: dict[str, Any], path: Path, window: int = 10) -> None:
     fig.suptitle("O2 in bf16 with lean optimizer state (seed 0), against O2 with seeds 0, 1, 2",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -291,7 +291,7 @@ def report(results: dict[str, Any]) -> str:
     names = list(results["models"])
     machines = sorted({results["models"][m]["machine"] for m in names})
     return "\n".join([
-        "## Measured: final loss against O2",
+        "#### Final loss against O2",
         "",
         f"Machine: {'; '.join(machines)}. "
         "Written by `python benchmarks/accuracy_lean_state.py`; the curves are in "
@@ -335,7 +335,7 @@ def main() -> None:
         on_disk["tail"] = TAIL
         on_disk["models"].update({m: results["models"][m] for m in ns.models
                                   if m in results["models"]})
-        ns.json.write_text(json.dumps(on_disk, indent=1) + "\n")
+        ns.json.write_text(json.dumps(on_disk, separators=(",", ":")) + "\n")
 
     console = Console()
     for model in ns.models:
