@@ -27,7 +27,9 @@ CPU cores). On a busy machine, one thread per process is several times faster
 than two: ``--threads 1 --models lm`` and ``--threads 1 --models convnet`` in
 two processes fill in the same JSON, and the one that ends last writes the
 plot and the table. ``--lm-steps``, ``--convnet-steps`` shorten the runs;
-``--no-write`` prints the table without writing the plot or the docs.
+``--no-write`` prints the table without writing the plot or the docs. Runs
+already in the JSON (same model and steps) are not trained again: delete
+``docs/lean_state.json`` to measure anew.
 """
 
 from __future__ import annotations
