@@ -160,7 +160,7 @@ enum class StateCode : uint8_t {
 constexpr int kNumStateCodes = 5;
 
 // Whether a code keeps one fp32 scale per block.
-AMP_OPTIM_HD bool block_scaled(StateCode c) {
+AMP_OPTIM_HD constexpr bool block_scaled(StateCode c) {
   return c == StateCode::kInt8 || c == StateCode::kSqrtU8 || c == StateCode::kE4M3;
 }
 
@@ -168,7 +168,7 @@ AMP_OPTIM_HD bool block_scaled(StateCode c) {
 // encode factor is code_max / s and its decode factor s / code_max, each one
 // fp32 division per block. A block whose encode factor is not finite (s is 0,
 // inf or NaN, or so small that the division overflows) stores codes 0 and keeps s.
-AMP_OPTIM_HD float code_max(StateCode c) {
+AMP_OPTIM_HD constexpr float code_max(StateCode c) {
   return c == StateCode::kInt8 ? 127.0f : (c == StateCode::kSqrtU8 ? 255.0f : 448.0f);
 }
 

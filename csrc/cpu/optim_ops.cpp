@@ -486,6 +486,22 @@ inline void lean_encode(const OptimTable& k, const LeanTensor<S>& t, size_t s,
                                            ch.len, block_size);
 }
 
+// The fused Adam loop for a tensor's dtypes and codes, or null (the tiles serve).
+template <size_t S>
+inline AdamLeanLoop fused_adam_lean(const OptimTable& k, const LeanTensor<S>& t,
+                                    int64_t block_size) {
+  auto index = [](optim::StateCode c, optim::StateCode scaled) {
+    return c == optim::StateCode::kBF16 ? 0 : c == scaled ? 1 : c == optim::StateCode::kE4M3 ? 2 : -1;
+  };
+  const int mi = index(t.sc[0], optim::StateCode::kInt8);
+  const int vi = index(t.sc[1], optim::StateCode::kSqrtU8);
+  const int pi = t.p_dt == kF32 ? 0 : (t.p_dt == kBF16 ? 1 : -1);
+  if (block_size % kLeanFusedAlign != 0 || mi < 0 || vi < 0 || pi < 0 || t.g_dt > kBF16) {
+    return nullptr;
+  }
+  return k.adam_lean[t.g_dt][pi][mi][vi];
+}
+
 // Stores the updated fp32 param (bf16: stochastically rounded) and the model copy.
 template <size_t S>
 inline void lean_store_param(const OptimTable& k, const KernelTable& conv, const LeanTensor<S>& t,
@@ -565,6 +581,19 @@ struct CpuBackend {
     const int64_t bs = lean.block_size;
     plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
       const int64_t n = ch.len;
+      if (const AdamLeanLoop fused = fused_adam_lean(k, t, bs)) {
+        auto codes = [&](int s) {
+          return static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
+        };
+        auto scales = [&](int s) { return t.scale[s] != nullptr ? t.scale[s] + ch.block : nullptr; };
+        float* p_out = t.model != nullptr ? scratch + 2 * tile : nullptr;
+        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin), codes(0), scales(0),
+              codes(1), scales(1), p_out, scratch, tile, n, bs, t.key, ch.begin, h);
+        if (p_out != nullptr) {
+          conv.copy[kF32][t.model_dt](p_out, offset(t.model, t.model_dt, ch.begin), n);
+        }
+        return;
+      }
       const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
       float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
       float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);

@@ -52,6 +52,18 @@ using LeanEncodeLoop = void (*)(float* x, void* codes, float* scales, int64_t n,
 using StochasticBf16Loop = void (*)(const float* x, void* out, int64_t n, uint32_t key,
                                     int64_t e0);
 
+// Adam over one chunk of a lean-state row in one pass (grads G, params fp32 or
+// bf16, the moments' codes bf16 / int8 / e4m3 and bf16 / uint8 / e4m3),
+// bit-identical to the decode, adam, encode and store loops in turn. tiles
+// holds two fp32 tiles of `tile` >= block elements; p_out (may be null)
+// receives the updated fp32 params (for the model copy). block_size must be
+// a multiple of kLeanFusedAlign.
+using AdamLeanLoop = void (*)(const void* g, void* p, void* m_codes, float* m_scales,
+                              void* v_codes, float* v_scales, float* p_out, float* tiles,
+                              int64_t tile, int64_t n, int64_t block_size, uint32_t key,
+                              int64_t e0, const optim::AdamHyper& h);
+constexpr int64_t kLeanFusedAlign = 32;
+
 struct OptimTable {
   AdamLoop adam;
   SgdLoop sgd;
@@ -65,6 +77,9 @@ struct OptimTable {
   // [grad dtype][model dtype, kNumDt for none]; null where the tiles of
   // optim_ops.cpp serve (fp64, an fp32 model copy).
   AdamMixedLoop adam_mixed[kNumDt][kNumDt + 1];
+  // [grad dtype: kF32, kF16, kBF16][param: fp32, bf16][m: bf16, int8, e4m3]
+  // [v: bf16, uint8, e4m3]; null elsewhere (the tiles of optim_ops.cpp serve).
+  AdamLeanLoop adam_lean[3][2][3][3];
 };
 
 // One table per instruction set; the AVX ones exist on x86 only.
