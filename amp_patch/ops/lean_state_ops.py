@@ -25,9 +25,10 @@ grad, decodes the state, updates, encodes the state again and writes the param
   ``e4m3(x * (448 / s))`` (round to nearest even) and read as ``e4m3 * (s / 448)``.
 
 A block whose largest magnitude is 0 stores codes 0 (it reads back zeros); one
-whose scale factor is not finite (an inf or NaN in the block, or a block so
-small that ``127 / s`` overflows) stores codes 0 and keeps ``s`` as it is, so a
-non-finite block stays visibly non-finite.
+whose scale ``s`` or factor is not finite (an inf or NaN in the block, or a
+block so small that ``127 / s`` overflows) stores codes 0 and keeps ``s`` as it
+is, so a non-finite block reads back NaN (``0 * inf``) or stays NaN: visibly
+non-finite.
 
 **Rows and blocks.** A tensor of two or more dimensions is ``size(0)`` rows of
 ``numel / size(0)`` elements; any other tensor is one row. Blocks never cross
@@ -41,7 +42,10 @@ are added to its low bits before they are cut. The bits are a hash of
 (:func:`random_bits`), so a run is reproducible, a resumed run continues with
 the same bits, and a skipped step (which keeps ``step``) draws nothing.
 float32 and float16 params are written rounded to nearest. ``model_params``
-receive the fp32 update rounded to nearest, as in the fp32-state ops.
+receive the param as stored, rounded to nearest to their dtype: the fp32
+update (as in the fp32-state ops), or a bf16 master's value, so that a model
+is always its master rounded (an fp16 model of bf16 masters holds them exactly
+within fp16's range).
 
 ``noop`` and ``inv_scale`` are as in every optimizer op: a set ``noop`` writes
 nothing at all, codes and scales included.
@@ -202,7 +206,8 @@ def encode(x: Tensor, dtype: torch.dtype, block_size: int = BLOCK_SIZE,
         xb = _sqrt_rn(xb)
     scale = (xb.abs().amax(dim=-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])).contiguous()
     factor = _factor(scale, top, 1.0).unsqueeze(-1)  # top / s
-    usable = torch.isfinite(factor)
+    # An inf scale gives the finite factor 0: the block is as unusable as a NaN one.
+    usable = torch.isfinite(factor) & torch.isfinite(scale).unsqueeze(-1)
     y = torch.where(usable, xb * torch.where(usable, factor, 0.0), 0.0)
     if dtype == torch.float8_e4m3fn:
         codes = y.to(torch.float8_e4m3fn)
@@ -319,6 +324,13 @@ def _store_param(param: Tensor, p: Tensor, seed: int, step: int, index: int) -> 
     return stochastic_round_bf16(p, random_bits(seed, step, index, p.numel(), p.device))
 
 
+def _model_copy(model_params: Sequence[Tensor], i: int, stored: Tensor,
+                ) -> list[tuple[Tensor, Tensor]]:
+    """The model copy's new value: the param as stored (a bf16 master's own bits), rounded to
+    the model's dtype, so that the model is always its master rounded."""
+    return [(model_params[i], stored.float())] if model_params else []
+
+
 # --------------------------------------------------------------------------- checks
 
 def _check_state(op: str, name: str, states: Sequence[Tensor], scale_name: str,
@@ -396,10 +408,11 @@ def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg
         p = p - lr * u
         m_codes, m_scale = encode(m, exp_avgs[i].dtype, block_size)
         v_codes, v_scale = encode(v, exp_avg_sqs[i].dtype, block_size)
-        _commit(keep, (params[i], _store_param(params[i], p, seed, step, i)),
+        stored = _store_param(params[i], p, seed, step, i)
+        _commit(keep, (params[i], stored),
                 *_scale_pairs(exp_avgs, exp_avg_scales, i, m_codes, m_scale),
                 *_scale_pairs(exp_avg_sqs, exp_avg_sq_scales, i, v_codes, v_scale),
-                *([(model_params[i], p)] if model_params else []))
+                *_model_copy(model_params, i, stored))
 
 
 def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params, noop,
@@ -440,8 +453,8 @@ def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params
         if wd != 0.0 and wd_after_momentum:
             g = g + wd * p
         p = p - lr * g
-        _commit(keep, (params[i], _store_param(params[i], p, seed, step, i)),
-                *state, *([(model_params[i], p)] if model_params else []))
+        stored = _store_param(params[i], p, seed, step, i)
+        _commit(keep, (params[i], stored), *state, *_model_copy(model_params, i, stored))
 
 
 _LEAN_REFERENCE: dict[str, Callable[..., Any]] = {
