@@ -12,6 +12,8 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <sstream>
+#include <string>
 #include <tuple>
 
 #include "cpu/optim_math.h"
@@ -185,6 +187,229 @@ void lamb_stage2_op(at::TensorList params, at::TensorList exp_avgs, at::TensorLi
                 lamb_hyper(beta1, beta2, eps, weight_decay, step, bias_correction_on,
                            /*grad_averaging=*/true, adam_w_mode),
                 param_norms, update_norms, f32(lr), lamb_needs_norms(weight_decay, use_nvlamb));
+}
+
+// ---------------------------------------------------------------- lean state ops
+// multi_tensor_adam_lean_ / multi_tensor_sgd_lean_ (amp_patch/ops/lean_state_ops.py):
+// state lists whose dtype picks the code (optim_math.h's StateCode), each with
+// a list of fp32 block scales, and params that may be bf16. The checks below
+// are the reference body's, with its messages; the backends add their device
+// checks and do the work:
+//   B::adam_lean(op, const LeanLists<2>&, Flags, AdamHyper, LeanHyper)
+//   B::sgd_lean(op, const LeanLists<1>&, Flags, SgdHyper, LeanHyper)
+// after the op returned early for nothing: a set noop is the backend's to test.
+
+// One state list and its scales. `scales` may be empty when no tensor of the
+// list is block-scaled; `used` is false for SGD without momentum.
+struct LeanStateArg {
+  const char* name;
+  at::TensorList codes;
+  const char* scale_name;
+  at::TensorList scales;
+  bool used;
+};
+
+template <size_t S>
+struct LeanLists {
+  at::TensorList grads;
+  at::TensorList params;
+  std::array<LeanStateArg, S> states;
+  at::TensorList model_params;  // empty: no model copies
+};
+
+// The code of a state tensor's dtype (only after check_lean_lists accepted it).
+inline StateCode state_code(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat:
+      return StateCode::kF32;
+    case at::kBFloat16:
+      return StateCode::kBF16;
+    case at::kChar:
+      return StateCode::kInt8;
+    case at::kByte:
+      return StateCode::kSqrtU8;
+    default:
+      return StateCode::kE4M3;
+  }
+}
+
+// (rows, row length) of a tensor as the codes see it: a tensor of two or more
+// dimensions is size(0) rows, any other tensor one row.
+inline std::pair<int64_t, int64_t> lean_rows(at::IntArrayRef sizes) {
+  int64_t numel = 1;
+  for (int64_t s : sizes) {
+    numel *= s;
+  }
+  const int64_t rows = sizes.size() >= 2 ? sizes[0] : 1;
+  return {rows, rows != 0 ? numel / rows : 0};
+}
+
+// The scales' shape for a tensor of `sizes`: (rows, ceil(row length / block_size)).
+inline std::array<int64_t, 2> lean_scale_shape(at::IntArrayRef sizes, int64_t block_size) {
+  const auto [rows, length] = lean_rows(sizes);
+  return {rows, (length + block_size - 1) / block_size};
+}
+
+// Python's spelling of a dtype and a shape, for the reference's messages.
+inline std::string py_dtype(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat:
+      return "torch.float32";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    case at::kChar:
+      return "torch.int8";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kShort:
+      return "torch.int16";
+    case at::kInt:
+      return "torch.int32";
+    case at::kLong:
+      return "torch.int64";
+    case at::kBool:
+      return "torch.bool";
+    case at::kFloat8_e4m3fn:
+      return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2:
+      return "torch.float8_e5m2";
+    default:
+      return std::string("torch.") + c10::toString(st);
+  }
+}
+
+inline std::string py_shape(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    out << (i ? ", " : "") << sizes[i];
+  }
+  out << (sizes.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+// _check_rows: each list as long as grads, each tensor shaped like its grad.
+inline void check_lean_rows(const char* op, at::TensorList lead, const char* name,
+                            at::TensorList tensors) {
+  TORCH_CHECK(tensors.size() == lead.size(), "amp_patch::", op, ": list lengths differ (grads has ",
+              lead.size(), ", ", name, " has ", tensors.size(), ")");
+  for (size_t i = 0; i < lead.size(); ++i) {
+    TORCH_CHECK(tensors[i].sizes() == lead[i].sizes(), "amp_patch::", op, ": ", name, "[", i,
+                "] has shape ", py_shape(tensors[i].sizes()), " but grads[", i, "] has ",
+                py_shape(lead[i].sizes()));
+  }
+}
+
+// _check_state: codes of a known dtype (uint8 only for second moments), and
+// for the block-scaled ones contiguous fp32 scales of the right shape.
+inline void check_lean_state(const char* op, const LeanStateArg& s, int64_t block_size) {
+  TORCH_CHECK(s.scales.empty() || s.scales.size() == s.codes.size(), "amp_patch::", op, ": ",
+              s.scale_name, " has ", s.scales.size(), " tensors for ", s.codes.size(), " ",
+              s.name, " (give one per tensor, or none)");
+  for (size_t i = 0; i < s.codes.size(); ++i) {
+    const at::Tensor& t = s.codes[i];
+    const at::ScalarType st = t.scalar_type();
+    TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kChar || st == at::kByte ||
+                    st == at::kFloat8_e4m3fn,
+                "amp_patch::", op, ": ", s.name, "[", i, "] has dtype ", py_dtype(st),
+                "; state codes are torch.float32, torch.bfloat16, torch.int8, torch.uint8, "
+                "torch.float8_e4m3fn");
+    TORCH_CHECK(st != at::kByte || std::string(s.name) == "exp_avg_sqs", "amp_patch::", op, ": ",
+                s.name, "[", i, "] is uint8, the code of a second moment (never negative); "
+                "signed state takes int8");
+    if (!block_scaled(state_code(st))) {
+      continue;
+    }
+    TORCH_CHECK(!s.scales.empty(), "amp_patch::", op, ": ", s.name, "[", i, "] is ",
+                py_dtype(st), " but ", s.scale_name, " is empty");
+    const at::Tensor& sc = s.scales[i];
+    const auto want = lean_scale_shape(t.sizes(), block_size);
+    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.dim() == 2 && sc.size(0) == want[0] &&
+                    sc.size(1) == want[1],
+                "amp_patch::", op, ": ", s.scale_name, "[", i, "] must be float32 of shape (",
+                want[0], ", ", want[1], ") for block_size ", block_size, ", got ",
+                py_dtype(sc.scalar_type()), " ", py_shape(sc.sizes()));
+    TORCH_CHECK(t.is_contiguous() && sc.is_contiguous(), "amp_patch::", op, ": ", s.name, "[", i,
+                "] and its scales must be contiguous");
+  }
+}
+
+// The reference body's checks, in its order.
+template <size_t S>
+void check_lean_lists(const char* op, const LeanLists<S>& l, int64_t block_size) {
+  check_lean_rows(op, l.grads, "params", l.params);
+  for (const LeanStateArg& s : l.states) {
+    if (s.used) {
+      check_lean_rows(op, l.grads, s.name, s.codes);
+    }
+  }
+  if (!l.model_params.empty()) {
+    check_lean_rows(op, l.grads, "model_params", l.model_params);
+  }
+  TORCH_CHECK(block_size >= 1, "amp_patch::", op, ": block_size must be positive, got ",
+              block_size);
+  for (size_t i = 0; i < l.params.size(); ++i) {
+    const at::ScalarType st = l.params[i].scalar_type();
+    TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "amp_patch::", op,
+                ": params[", i, "] has dtype ", py_dtype(st),
+                "; params are float32, bfloat16 or float16");
+  }
+  for (const LeanStateArg& s : l.states) {
+    if (s.used) {
+      check_lean_state(op, s, block_size);
+    }
+  }
+}
+
+template <typename B>
+void adam_lean_op(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+                  at::TensorList exp_avg_scales, at::TensorList exp_avg_sqs,
+                  at::TensorList exp_avg_sq_scales, at::TensorList model_params,
+                  const std::optional<at::Tensor>& noop,
+                  const std::optional<at::Tensor>& inv_scale, double lr, double beta1,
+                  double beta2, double eps, double weight_decay, int64_t step, bool adam_w_mode,
+                  bool bias_correction_on, int64_t block_size, int64_t seed) {
+  constexpr const char* op = "multi_tensor_adam_lean_";
+  const LeanLists<2> lists{
+      grads,
+      params,
+      {{{"exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, true},
+        {"exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales, true}}},
+      model_params};
+  check_lean_lists(op, lists, block_size);
+  B::adam_lean(op, lists, Flags{noop, inv_scale},
+               adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode,
+                          bias_correction_on),
+               lean_hyper(block_size, seed, step));
+}
+
+template <typename B>
+void sgd_lean_op(at::TensorList grads, at::TensorList params, at::TensorList momentum_buffers,
+                 at::TensorList momentum_scales, at::TensorList model_params,
+                 const std::optional<at::Tensor>& noop,
+                 const std::optional<at::Tensor>& inv_scale, double lr, double weight_decay,
+                 double momentum, double dampening, bool nesterov, bool first_run,
+                 bool wd_after_momentum, int64_t step, int64_t block_size, int64_t seed) {
+  constexpr const char* op = "multi_tensor_sgd_lean_";
+  const bool with_momentum = momentum != 0.0;
+  TORCH_CHECK(!with_momentum || momentum_buffers.size() == grads.size(), "amp_patch::", op,
+              ": momentum is ", momentum, " but momentum_buffers has ", momentum_buffers.size(),
+              " tensors for ", grads.size(), " grads");
+  const LeanLists<1> lists{
+      grads,
+      params,
+      {{{"momentum_buffers", momentum_buffers, "momentum_scales", momentum_scales,
+         with_momentum}}},
+      model_params};
+  check_lean_lists(op, lists, block_size);
+  B::sgd_lean(op, lists, Flags{noop, inv_scale},
+              sgd_hyper(lr, weight_decay, momentum, dampening, nesterov, first_run,
+                        wd_after_momentum),
+              lean_hyper(block_size, seed, step));
 }
 
 }  // namespace amp_patch::optim

@@ -9,8 +9,12 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace amp_patch::optim {
@@ -193,9 +197,339 @@ void lamb_apply_loop(float* p, const float* m, const float* v, int64_t n, float 
   });
 }
 
+// ---------------------------------------------------------------- lean state
+// The codes of the lean-state ops (optim_math.h's StateCode; the rules and the
+// reference in amp_patch/ops/lean_state_ops.py). Each loop covers n elements
+// of one row from a block boundary; block b of them has scales[b].
+
+// Calls f(block, offset, length) for each block of [0, n).
+template <typename F>
+inline void for_code_blocks(int64_t n, int64_t block_size, F&& f) {
+  int64_t b = 0;
+  for (int64_t j = 0; j < n; j += block_size, ++b) {
+    f(b, j, std::min(block_size, n - j));
+  }
+}
+
+void f32_decode(const void* codes, const float*, float* out, int64_t n, int64_t) {
+  std::memcpy(out, codes, n * sizeof(float));
+}
+
+void f32_encode(float* x, void* codes, float*, int64_t n, int64_t) {
+  std::memcpy(codes, x, n * sizeof(float));
+}
+
+void bf16_decode(const void* codes, const float*, float* out, int64_t n, int64_t) {
+  copy_loop<c10::BFloat16, float>(codes, out, n);
+}
+
+void bf16_encode(float* x, void* codes, float*, int64_t n, int64_t) {
+  copy_loop<float, c10::BFloat16>(x, codes, n);
+}
+
+template <optim::StateCode C>
+using CodeType = std::conditional_t<C == optim::StateCode::kInt8, int8_t, uint8_t>;
+
+// q * (s / max), one fp32 division per block; the square-root code squares it.
+template <optim::StateCode C>
+void scaled_decode(const void* codes, const float* scales, float* out, int64_t n,
+                   int64_t block_size) {
+  const float top = optim::code_max(C);
+  const CodeType<C>* c = static_cast<const CodeType<C>*>(codes);
+  for_code_blocks(n, block_size, [&](int64_t b, int64_t j, int64_t len) {
+    const float f = scales[b] / top;
+    const CodeType<C>* cb = c + j;
+    float* ob = out + j;
+    if constexpr (C == optim::StateCode::kE4M3) {
+      for (int64_t k = 0; k < len; ++k) {
+        ob[k] = static_cast<float>(c10::Float8_e4m3fn(cb[k], c10::Float8_e4m3fn::from_bits())) * f;
+      }
+    } else if constexpr (C == optim::StateCode::kSqrtU8) {
+      for (int64_t k = 0; k < len; ++k) {
+        const float r = static_cast<float>(cb[k]) * f;
+        ob[k] = r * r;
+      }
+    } else {
+      for (int64_t k = 0; k < len; ++k) {
+        ob[k] = static_cast<float>(cb[k]) * f;
+      }
+    }
+  });
+}
+
+// The largest |x| of a block, NaN when any element is NaN (torch's amax).
+inline float block_absmax(const float* x, int64_t len) {
+  FVec acc(0.0f);
+  for_vectors(len, [&](int64_t i, int64_t c) {
+    acc = at::vec::maximum(acc, load(x + i, c).abs());  // the zero padding changes nothing
+  });
+  float lanes[FVec::size()];
+  acc.store(lanes);
+  float m = 0.0f;
+  for (float v : lanes) {
+    m = (v != v || v > m) ? v : m;  // once NaN, stays NaN
+  }
+  return m;
+}
+
+// Stores the block x (len values; sqrt(x) already for the square-root code)
+// whose largest magnitude is s: factor = max / s; a block whose factor is not
+// finite stores codes 0. The integer codes are rne(x * factor) clamped, a NaN
+// product (an inf beside a finite factor) stored as 0, as torch casts NaN to
+// an integer type. x is scratch.
+template <optim::StateCode C>
+inline void quantise_block(float* x, CodeType<C>* out, int64_t len, float s) {
+  const float top = optim::code_max(C);
+  const float factor = top / s;
+  if (!std::isfinite(factor)) {
+    std::memset(static_cast<void*>(out), 0, len);
+    return;
+  }
+  const FVec fv(factor);
+  if constexpr (C == optim::StateCode::kE4M3) {
+    for_vectors(len, [&](int64_t i, int64_t w) { (load(x + i, w) * fv).store(x + i, w); });
+    for (int64_t k = 0; k < len; ++k) {
+      out[k] = c10::Float8_e4m3fn(x[k]).x;
+    }
+  } else {
+    for_vectors(len, [&](int64_t i, int64_t w) {
+      (load(x + i, w) * fv).round().store(x + i, w);  // round half to even
+    });
+    const float lo = C == optim::StateCode::kInt8 ? -127.0f : 1.0f;
+    for (int64_t k = 0; k < len; ++k) {
+      const float q = x[k];
+      const float clamped = std::min(std::max(q, lo), top);
+      out[k] = q != q ? CodeType<C>(0) : static_cast<CodeType<C>>(static_cast<int32_t>(clamped));
+    }
+  }
+}
+
+// s = the block's largest magnitude (of sqrt(x) for the square-root code).
+template <optim::StateCode C>
+void scaled_encode(float* x, void* codes, float* scales, int64_t n, int64_t block_size) {
+  CodeType<C>* c = static_cast<CodeType<C>*>(codes);
+  for_code_blocks(n, block_size, [&](int64_t b, int64_t j, int64_t len) {
+    float* xb = x + j;
+    if constexpr (C == optim::StateCode::kSqrtU8) {
+      for_vectors(len, [&](int64_t i, int64_t w) { load(xb + i, w).sqrt().store(xb + i, w); });
+    }
+    const float s = block_absmax(xb, len);
+    scales[b] = s;
+    quantise_block<C>(xb, c + j, len, s);
+  });
+}
+
+// The bits of element e0 + k of the tensor with key `key` are added to the
+// low half of its fp32 pattern, which is then cut; a non-finite value keeps
+// its high half (a NaN stays a NaN).
+void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, int64_t e0) {
+  uint16_t* o = static_cast<uint16_t*>(out);
+  const uint32_t first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t u;
+    std::memcpy(&u, x + k, sizeof(u));
+    const uint32_t r =
+        optim::fmix32(key ^ ((first + static_cast<uint32_t>(k)) * optim::kHashK0)) >> 16;
+    const uint32_t nearest = (u >> 16) | ((u & 0x7FFFFFu) != 0 ? 0x40u : 0u);
+    o[k] = static_cast<uint16_t>(optim::finite_bits(u) ? (u + r) >> 16 : nearest);
+  }
+}
+
+// The largest lane of a vector of magnitudes, NaN when any lane is NaN.
+inline float lanes_max(const FVec& acc) {
+  float lanes[FVec::size()];
+  acc.store(lanes);
+  float m = 0.0f;
+  for (float v : lanes) {
+    m = (v != v || v > m) ? v : m;
+  }
+  return m;
+}
+
+// Reads `count` (<= kBlock) values of state code C at element `at` as two fp32
+// vectors: the codes times the block's decode factor f (squared for the
+// square-root code), or the bf16 / fp32 state itself. Lanes past count are 0.
+template <optim::StateCode C>
+inline void decode_vectors(const void* codes, int64_t at, int64_t count, const FVec& f, FVec& lo,
+                           FVec& hi) {
+  using optim::StateCode;
+  if constexpr (C == StateCode::kBF16) {
+    load_block(static_cast<const c10::BFloat16*>(codes) + at, count, lo, hi);
+  } else if constexpr (C == StateCode::kF32) {
+    load_block(static_cast<const float*>(codes) + at, count, lo, hi);
+  } else {
+    const CodeType<C>* q = static_cast<const CodeType<C>*>(codes) + at;
+    alignas(64) float t[kBlock];
+    auto value = [&](int64_t k) {
+      if constexpr (C == StateCode::kE4M3) {
+        return static_cast<float>(c10::Float8_e4m3fn(q[k], c10::Float8_e4m3fn::from_bits()));
+      } else {
+        return static_cast<float>(q[k]);
+      }
+    };
+    if (count == kBlock) {
+      for (int64_t k = 0; k < kBlock; ++k) {
+        t[k] = value(k);
+      }
+    } else {
+      for (int64_t k = 0; k < kBlock; ++k) {
+        t[k] = k < count ? value(k) : 0.0f;
+      }
+    }
+    lo = FVec::loadu(t) * f;
+    hi = FVec::loadu(t + kW) * f;
+    if constexpr (C == StateCode::kSqrtU8) {
+      lo = lo * lo;
+      hi = hi * hi;
+    }
+  }
+}
+
+// Writes `count` values of the new state (sqrt already taken for the
+// square-root code): bf16 / fp32 state where it lies, block-scaled codes into
+// the block's fp32 tile (quantised once the block is done), tracking the
+// largest magnitude of the lanes written.
+template <optim::StateCode C>
+inline void keep_vectors(void* codes, float* tile, int64_t at, int64_t tile_at, int64_t count,
+                         const FVec& lo, const FVec& hi, FVec& amax) {
+  using optim::StateCode;
+  if constexpr (C == StateCode::kBF16) {
+    store_block(static_cast<c10::BFloat16*>(codes) + at, count, lo, hi);
+  } else if constexpr (C == StateCode::kF32) {
+    store_block(static_cast<float*>(codes) + at, count, lo, hi);
+  } else {
+    store_block(tile + tile_at, count, lo, hi);
+    if (count == kBlock) {
+      amax = at::vec::maximum(amax, at::vec::maximum(lo.abs(), hi.abs()));
+    } else {
+      const int64_t c0 = std::min<int64_t>(count, kW), c1 = count - c0;
+      amax = at::vec::maximum(amax, FVec::set(FVec(0.0f), lo.abs(), c0));
+      amax = at::vec::maximum(amax, FVec::set(FVec(0.0f), hi.abs(), c1));
+    }
+  }
+}
+
+// `count` params from two fp32 vectors: fp32 as they are, bf16 stochastically
+// rounded with the bits of elements e .. e + count (see stochastic_bf16_loop).
+template <typename P>
+inline void store_param(P* p, int64_t count, const FVec& lo, const FVec& hi, uint32_t key,
+                        uint32_t e) {
+  if constexpr (std::is_same_v<P, float>) {
+    store_block(p, count, lo, hi);
+  } else {
+    alignas(64) float x[kBlock];
+    lo.store(x);
+    hi.store(x + kW);
+    alignas(64) uint16_t o[kBlock];
+    for (int64_t k = 0; k < kBlock; ++k) {
+      uint32_t u;
+      std::memcpy(&u, x + k, sizeof(u));
+      const uint32_t r =
+          optim::fmix32(key ^ ((e + static_cast<uint32_t>(k)) * optim::kHashK0)) >> 16;
+      const uint32_t nearest = (u >> 16) | ((u & 0x7FFFFFu) != 0 ? 0x40u : 0u);
+      o[k] = static_cast<uint16_t>(optim::finite_bits(u) ? (u + r) >> 16 : nearest);
+    }
+    std::memcpy(static_cast<void*>(p), o, count * sizeof(uint16_t));
+  }
+}
+
+// Adam over a chunk in one pass per block: grads of type G and params of type
+// P (float or BFloat16) read and written in registers, the moments decoded in
+// registers, updated by adam_loop's rule, and the block-scaled ones kept in an
+// fp32 tile until the block's scale is known. The bits are those of the
+// decode / adam_loop / encode / stochastic_bf16 loops run one after another.
+// Blocks must be whole kBlock groups except the last of a row (block_size a
+// multiple of 32). p_out (may be null) receives the updated fp32 params.
+template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
+void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_scales,
+                    void* v_codes, float* v_scales, float* p_out, float* tiles, int64_t tile,
+                    int64_t n, int64_t block_size, uint32_t key, int64_t e0,
+                    const optim::AdamHyper& hyper) {
+  const optim::AdamHyper h = hyper;
+  const G* g = static_cast<const G*>(grads);
+  P* p = static_cast<P*>(params);
+  float* mt = tiles;
+  float* vt = tiles + tile;
+  const uint32_t e_first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
+  for_code_blocks(n, block_size, [&](int64_t b, int64_t j, int64_t len) {
+    const FVec fm(optim::block_scaled(MC) ? m_scales[b] / optim::code_max(MC) : 1.0f);
+    const FVec fv(optim::block_scaled(VC) ? v_scales[b] / optim::code_max(VC) : 1.0f);
+    FVec am(0.0f), av(0.0f);
+    for (int64_t i = 0; i < len; i += kBlock) {
+      const int64_t c = std::min<int64_t>(kBlock, len - i);
+      const int64_t at = j + i;
+      FVec gv[2], pv[2], mv[2], vv[2];
+      load_block(g + at, c, gv[0], gv[1]);
+      load_block(p + at, c, pv[0], pv[1]);
+      decode_vectors<MC>(m_codes, at, c, fm, mv[0], mv[1]);
+      decode_vectors<VC>(v_codes, at, c, fv, vv[0], vv[1]);
+      for (int k = 0; k < 2; ++k) {
+        optim::adam_update_moments(gv[k], pv[k], mv[k], vv[k], h);
+        optim::adam_update_param(pv[k], mv[k], vv[k], h);
+        if constexpr (VC == optim::StateCode::kSqrtU8) {
+          vv[k] = vv[k].sqrt();
+        }
+      }
+      keep_vectors<MC>(m_codes, mt, at, i, c, mv[0], mv[1], am);
+      keep_vectors<VC>(v_codes, vt, at, i, c, vv[0], vv[1], av);
+      if (p_out != nullptr) {
+        store_block(p_out + at, c, pv[0], pv[1]);
+      }
+      store_param(p + at, c, pv[0], pv[1], key, e_first + static_cast<uint32_t>(at));
+    }
+    if constexpr (optim::block_scaled(MC)) {
+      const float s = lanes_max(am);
+      m_scales[b] = s;
+      quantise_block<MC>(mt, static_cast<CodeType<MC>*>(m_codes) + j, len, s);
+    }
+    if constexpr (optim::block_scaled(VC)) {
+      const float s = lanes_max(av);
+      v_scales[b] = s;
+      quantise_block<VC>(vt, static_cast<CodeType<VC>*>(v_codes) + j, len, s);
+    }
+  });
+}
+
+template <typename G, typename P, int MI, int VI>
+void fill_adam_lean(OptimTable& t) {
+  constexpr optim::StateCode kM[] = {optim::StateCode::kBF16, optim::StateCode::kInt8,
+                                     optim::StateCode::kE4M3};
+  constexpr optim::StateCode kV[] = {optim::StateCode::kBF16, optim::StateCode::kSqrtU8,
+                                     optim::StateCode::kE4M3};
+  constexpr int gi = std::is_same_v<G, float> ? kF32 : (std::is_same_v<G, c10::Half> ? kF16 : kBF16);
+  constexpr int pi = std::is_same_v<P, float> ? 0 : 1;
+  t.adam_lean[gi][pi][MI][VI] = &adam_lean_loop<G, P, kM[MI], kV[VI]>;
+}
+
+template <typename G, typename P>
+void fill_adam_lean_codes(OptimTable& t) {
+  fill_adam_lean<G, P, 0, 0>(t);
+  fill_adam_lean<G, P, 0, 1>(t);
+  fill_adam_lean<G, P, 0, 2>(t);
+  fill_adam_lean<G, P, 1, 0>(t);
+  fill_adam_lean<G, P, 1, 1>(t);
+  fill_adam_lean<G, P, 1, 2>(t);
+  fill_adam_lean<G, P, 2, 0>(t);
+  fill_adam_lean<G, P, 2, 1>(t);
+  fill_adam_lean<G, P, 2, 2>(t);
+}
+
 OptimTable optim_table() {
-  OptimTable t{&adam_loop,    &sgd_loop,          &adagrad_loop, &novograd_loop,
-               &lamb_moments_loop, &lamb_apply_loop, {}};
+  using optim::StateCode;
+  // By position: the members of OptimTable in order; the codes in StateCode's order.
+  OptimTable t{&adam_loop,
+               &sgd_loop,
+               &adagrad_loop,
+               &novograd_loop,
+               &lamb_moments_loop,
+               &lamb_apply_loop,
+               {&f32_decode, &bf16_decode, &scaled_decode<StateCode::kInt8>,
+                &scaled_decode<StateCode::kSqrtU8>, &scaled_decode<StateCode::kE4M3>},
+               {&f32_encode, &bf16_encode, &scaled_encode<StateCode::kInt8>,
+                &scaled_encode<StateCode::kSqrtU8>, &scaled_encode<StateCode::kE4M3>},
+               &stochastic_bf16_loop,
+               {},
+               {}};
   using c10::BFloat16;
   using c10::Half;
   // [grad dtype][model dtype, or kNumDt for no model]
@@ -208,6 +542,12 @@ OptimTable optim_table() {
   t.adam_mixed[kBF16][kBF16] = &adam_mixed_loop<BFloat16, BFloat16>;
   t.adam_mixed[kF16][kBF16] = &adam_mixed_loop<Half, BFloat16>;
   t.adam_mixed[kBF16][kF16] = &adam_mixed_loop<BFloat16, Half>;
+  fill_adam_lean_codes<float, float>(t);
+  fill_adam_lean_codes<Half, float>(t);
+  fill_adam_lean_codes<BFloat16, float>(t);
+  fill_adam_lean_codes<float, BFloat16>(t);
+  fill_adam_lean_codes<Half, BFloat16>(t);
+  fill_adam_lean_codes<BFloat16, BFloat16>(t);
   return t;
 }
 

@@ -23,8 +23,10 @@
 
 #if defined(__CUDACC__)
 #define AMP_OPTIM_FN __device__ __forceinline__
+#define AMP_OPTIM_HD __host__ __device__ __forceinline__
 #else
 #define AMP_OPTIM_FN inline
+#define AMP_OPTIM_HD inline
 #endif
 
 namespace amp_patch::optim {
@@ -138,6 +140,90 @@ inline LambHyper lamb_hyper(double beta1, double beta2, double eps, double weigh
     h.one_minus_beta1 = 1.0f;
   }
   return h;
+}
+
+// ---------------------------------------------------------------- lean state
+// The ops over low-precision state and bf16 params (multi_tensor_adam_lean_,
+// multi_tensor_sgd_lean_; reference bodies and the rules in
+// amp_patch/ops/lean_state_ops.py). Their arithmetic on the decoded fp32 values
+// is the rules above, unchanged; what they add is how each state tensor is
+// stored (its code) and how a bf16 param is rounded (stochastically).
+
+// A state tensor's code, from its dtype.
+enum class StateCode : uint8_t {
+  kF32 = 0,   // float32: the value
+  kBF16 = 1,  // bfloat16: the value rounded to nearest even
+  kInt8 = 2,  // int8: rne(x * (127 / s)) in [-127, 127], s the block's largest |x|
+  kSqrtU8 = 3,  // uint8: rne(sqrt(x) * (255 / s)) in [1, 255], s the block's largest sqrt(x)
+  kE4M3 = 4,  // float8_e4m3fn: e4m3(x * (448 / s)), round to nearest even
+};
+constexpr int kNumStateCodes = 5;
+
+// Whether a code keeps one fp32 scale per block.
+AMP_OPTIM_HD constexpr bool block_scaled(StateCode c) {
+  return c == StateCode::kInt8 || c == StateCode::kSqrtU8 || c == StateCode::kE4M3;
+}
+
+// The largest code of a block-scaled code, as its fp32 constant: a block's
+// encode factor is code_max / s and its decode factor s / code_max, each one
+// fp32 division per block. A block whose encode factor is not finite (s is 0,
+// inf or NaN, or so small that the division overflows) stores codes 0 and keeps s.
+AMP_OPTIM_HD constexpr float code_max(StateCode c) {
+  return c == StateCode::kInt8 ? 127.0f : (c == StateCode::kSqrtU8 ? 255.0f : 448.0f);
+}
+
+// The constants of the rounding hash: the golden ratio and murmur3's finaliser.
+constexpr uint32_t kHashK0 = 0x9E3779B9u;
+constexpr uint32_t kHashK1 = 0x85EBCA6Bu;
+constexpr uint32_t kHashK2 = 0xC2B2AE35u;
+
+// The helpers below are host and device functions (AMP_OPTIM_HD): the CUDA
+// ops' host code checks the codes too.
+
+// What the lean ops add to the hyper-parameters of their rule. The tensor key
+// of tensor i of the call is key_base + i * kHashK2 (mod 2^32), where key_base
+// is seed * kHashK0 + step * kHashK1 (mod 2^32).
+struct LeanHyper {
+  int64_t block_size;
+  uint32_t key_base;
+};
+
+inline LeanHyper lean_hyper(int64_t block_size, int64_t seed, int64_t step) {
+  // Two's complement wrap-around: Python's `& 0xFFFFFFFF` of the same sums.
+  const uint32_t base = static_cast<uint32_t>(static_cast<uint64_t>(seed)) * kHashK0 +
+                        static_cast<uint32_t>(static_cast<uint64_t>(step)) * kHashK1;
+  return {block_size, base};
+}
+
+AMP_OPTIM_HD uint32_t lean_tensor_key(const LeanHyper& h, int64_t index) {
+  return h.key_base + static_cast<uint32_t>(static_cast<uint64_t>(index)) * kHashK2;
+}
+
+// murmur3's 32-bit finaliser.
+AMP_OPTIM_HD uint32_t fmix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= kHashK1;
+  x ^= x >> 13;
+  x *= kHashK2;
+  return x ^ (x >> 16);
+}
+
+// The 16 random bits of element e (row-major index within its tensor) of the
+// tensor with key `key`: random_bits() of lean_state_ops.py.
+AMP_OPTIM_HD uint32_t rounding_bits(uint32_t key, int64_t e) {
+  return fmix32(key ^ (static_cast<uint32_t>(static_cast<uint64_t>(e)) * kHashK0)) >> 16;
+}
+
+// Whether the fp32 bit pattern u is finite.
+AMP_OPTIM_HD bool finite_bits(uint32_t u) {
+  return (u & 0x7F800000u) != 0x7F800000u;
+}
+
+// A finite fp32 value (bit pattern u) stochastically rounded to bf16 with the
+// 16 bits r: added to the low half, then cut. A non-finite value is rounded
+// to nearest instead (the backend's ordinary fp32 -> bf16 conversion).
+AMP_OPTIM_HD uint16_t stochastic_bf16_bits(uint32_t u, uint32_t r) {
+  return static_cast<uint16_t>((u + r) >> 16);
 }
 
 // Adam's update direction from the moments, with AdamW's decay term.

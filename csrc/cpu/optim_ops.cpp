@@ -262,6 +262,260 @@ const float* per_tensor(const at::Tensor& t, size_t n, const char* op, const cha
   return t.const_data_ptr<float>();
 }
 
+// ---------------------------------------------------------------- lean state ops
+// multi_tensor_adam_lean_ / multi_tensor_sgd_lean_: the work unit is a chunk,
+// a run of whole blocks of one row (a tensor whose rows are whole blocks is
+// one long row). Per chunk, the grad, param and decoded state are widened into
+// fp32 tiles, the ordinary fp32 loop of the op updates them, and the state is
+// encoded again, the param stored (bf16: stochastically rounded) and the model
+// copy written. The chunks are grouped into tasks of about kTaskElems
+// elements, split over the threads.
+
+// Elements per chunk when blocks are small: four fp32 tiles stay in L1.
+constexpr int64_t kLeanTile = 1024;
+
+// Tensor i of a call, as flat row-major memory.
+template <size_t S>
+struct LeanTensor {
+  const void* g = nullptr;
+  Dt g_dt = kF32;
+  void* p = nullptr;
+  Dt p_dt = kF32;
+  void* model = nullptr;  // null: no model copy
+  Dt model_dt = kF32;
+  std::array<void*, S> code{};
+  std::array<float*, S> scale{};
+  std::array<optim::StateCode, S> sc{};
+  int64_t length = 0;  // of a row; blocks per row = ceil(length / block_size)
+  uint32_t key = 0;
+};
+
+struct LeanChunk {
+  int64_t tensor;
+  int64_t begin;  // row * length + offset in the row, at a block boundary
+  int64_t block;  // the index of its first block in the scales
+  int64_t len;
+};
+
+template <size_t S>
+class LeanPlan {
+ public:
+  LeanPlan(const char* op, const optim::LeanLists<S>& l, const optim::LeanHyper& h) : op_(op) {
+    const size_t n = l.grads.size();
+    for (size_t i = 0; i < n; ++i) {
+      check_cpu(l.grads[i], op, "grads");
+      check_cpu(l.params[i], op, "params");
+      element_type(l.grads[i], op, "grads", i);
+      if (!l.model_params.empty()) {
+        check_cpu(l.model_params[i], op, "model_params");
+        element_type(l.model_params[i], op, "model_params", i);
+      }
+      for (const optim::LeanStateArg& st : l.states) {
+        if (!st.used) {
+          continue;
+        }
+        check_cpu(st.codes[i], op, st.name);
+        if (optim::block_scaled(optim::state_code(st.codes[i].scalar_type()))) {
+          check_cpu(st.scales[i], op, st.scale_name);
+        }
+      }
+    }
+    used_ = {};
+    for (size_t k = 0; k < S; ++k) {
+      used_[k] = l.states[k].used;
+    }
+    block_size_ = h.block_size;
+  }
+
+  // Lines the tensors up (contiguous stand-ins where needed) and cuts the chunks.
+  void build(const optim::LeanLists<S>& l, const optim::LeanHyper& h) {
+    const size_t n = l.grads.size();
+    tensors_.resize(n);
+    const int64_t bs = h.block_size;
+    const int64_t chunk = bs >= kLeanTile ? bs : (kLeanTile / bs) * bs;
+    max_chunk_ = 0;
+    for (size_t i = 0; i < n; ++i) {
+      LeanTensor<S>& t = tensors_[i];
+      const at::Tensor& g = l.grads[i];
+      if (g.numel() == 0) {
+        continue;
+      }
+      t.g = read_ptr(g);
+      t.g_dt = element_type(g, op_, "grads", i);
+      t.p = write_ptr(l.params[i], false);
+      t.p_dt = element_type(l.params[i], op_, "params", i);
+      if (!l.model_params.empty()) {
+        t.model = write_ptr(l.model_params[i], true);
+        t.model_dt = element_type(l.model_params[i], op_, "model_params", i);
+      }
+      for (size_t k = 0; k < S; ++k) {
+        if (!used_[k]) {
+          continue;
+        }
+        const at::Tensor& c = l.states[k].codes[i];
+        t.sc[k] = optim::state_code(c.scalar_type());
+        t.code[k] = write_ptr(c, false);
+        if (optim::block_scaled(t.sc[k])) {
+          t.scale[k] = l.states[k].scales[i].template mutable_data_ptr<float>();
+        }
+      }
+      t.key = optim::lean_tensor_key(h, static_cast<int64_t>(i));
+      auto [rows, length] = optim::lean_rows(g.sizes());
+      if (length % bs == 0) {  // whole blocks: the rows run on as one
+        length *= rows;
+        rows = 1;
+      }
+      t.length = length;
+      const int64_t nb = (length + bs - 1) / bs;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t off = 0; off < length; off += chunk) {
+          const int64_t len = std::min(chunk, length - off);
+          chunks_.push_back({static_cast<int64_t>(i), r * length + off, r * nb + off / bs, len});
+          max_chunk_ = std::max(max_chunk_, len);
+        }
+      }
+    }
+    task_begin_.push_back(0);
+    int64_t room = kTaskElems;
+    for (size_t c = 0; c < chunks_.size(); ++c) {
+      room -= chunks_[c].len;
+      if (room <= 0) {
+        task_begin_.push_back(static_cast<int64_t>(c + 1));
+        room = kTaskElems;
+      }
+    }
+    if (task_begin_.back() != static_cast<int64_t>(chunks_.size())) {
+      task_begin_.push_back(static_cast<int64_t>(chunks_.size()));
+    }
+  }
+
+  // Runs f(tensor, chunk, scratch) over every chunk; scratch holds `tiles`
+  // fp32 tiles of the longest chunk, one set per thread.
+  template <typename F>
+  void run(int tiles, const F& f) const {
+    const int64_t ntasks = static_cast<int64_t>(task_begin_.size()) - 1;
+    if (ntasks <= 0) {
+      return;
+    }
+    at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(static_cast<size_t>(tiles * max_chunk_));
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t c = task_begin_[t]; c < task_begin_[t + 1]; ++c) {
+          const LeanChunk& ch = chunks_[c];
+          f(tensors_[ch.tensor], ch, scratch.data(), max_chunk_);
+        }
+      }
+    });
+  }
+
+  void finish() {
+    for (auto& [user, stand_in] : write_back_) {
+      user.copy_(stand_in);
+    }
+  }
+
+  int64_t block_size() const { return block_size_; }
+
+ private:
+  // Row-major memory of a tensor: the tensor, or a contiguous stand-in.
+  const void* read_ptr(const at::Tensor& t) {
+    if (t.is_contiguous()) {
+      return t.const_data_ptr();
+    }
+    kept_.push_back(t.contiguous());
+    return kept_.back().const_data_ptr();
+  }
+
+  void* write_ptr(const at::Tensor& t, bool copy_out) {
+    if (t.is_contiguous()) {
+      return t.data_ptr();
+    }
+    at::Tensor stand_in = copy_out ? at::empty(t.sizes(), t.options()) : t.contiguous();
+    write_back_.emplace_back(t, stand_in);
+    kept_.push_back(stand_in);
+    return kept_.back().data_ptr();
+  }
+
+  const char* op_;
+  std::array<bool, S> used_{};
+  int64_t block_size_ = 1;
+  std::vector<LeanTensor<S>> tensors_;
+  std::vector<LeanChunk> chunks_;
+  std::vector<int64_t> task_begin_;
+  int64_t max_chunk_ = 0;
+  std::deque<at::Tensor> kept_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
+};
+
+// Widens list memory (element `at` on) into a tile, or points into it when it is fp32.
+inline float* lean_in(const KernelTable& conv, const void* mem, Dt dt, int64_t at, int64_t n,
+                      float* tile) {
+  if (dt == kF32) {
+    return const_cast<float*>(static_cast<const float*>(mem) + at);
+  }
+  conv.copy[dt][kF32](offset(mem, dt, at), tile, n);
+  return tile;
+}
+
+inline int64_t code_bytes(optim::StateCode c) {
+  return c == optim::StateCode::kF32 ? 4 : (c == optim::StateCode::kBF16 ? 2 : 1);
+}
+
+// The fp32 values of state k of a chunk: the codes decoded into `tile`, or
+// the fp32 state where it lies.
+template <size_t S>
+inline float* lean_decode(const OptimTable& k, const LeanTensor<S>& t, size_t s,
+                          const LeanChunk& ch, float* tile, int64_t block_size) {
+  void* codes = static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
+  if (t.sc[s] == optim::StateCode::kF32) {
+    return static_cast<float*>(codes);
+  }
+  k.lean_decode[static_cast<int>(t.sc[s])](codes, t.scale[s] + (t.scale[s] ? ch.block : 0), tile,
+                                           ch.len, block_size);
+  return tile;
+}
+
+template <size_t S>
+inline void lean_encode(const OptimTable& k, const LeanTensor<S>& t, size_t s,
+                        const LeanChunk& ch, float* values, int64_t block_size) {
+  if (t.sc[s] == optim::StateCode::kF32) {
+    return;  // updated where it lies
+  }
+  void* codes = static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
+  k.lean_encode[static_cast<int>(t.sc[s])](values, codes, t.scale[s] + (t.scale[s] ? ch.block : 0),
+                                           ch.len, block_size);
+}
+
+// The fused Adam loop for a tensor's dtypes and codes, or null (the tiles serve).
+template <size_t S>
+inline AdamLeanLoop fused_adam_lean(const OptimTable& k, const LeanTensor<S>& t,
+                                    int64_t block_size) {
+  auto index = [](optim::StateCode c, optim::StateCode scaled) {
+    return c == optim::StateCode::kBF16 ? 0 : c == scaled ? 1 : c == optim::StateCode::kE4M3 ? 2 : -1;
+  };
+  const int mi = index(t.sc[0], optim::StateCode::kInt8);
+  const int vi = index(t.sc[1], optim::StateCode::kSqrtU8);
+  const int pi = t.p_dt == kF32 ? 0 : (t.p_dt == kBF16 ? 1 : -1);
+  if (block_size % kLeanFusedAlign != 0 || mi < 0 || vi < 0 || pi < 0 || t.g_dt > kBF16) {
+    return nullptr;
+  }
+  return k.adam_lean[t.g_dt][pi][mi][vi];
+}
+
+// Stores the updated fp32 param (bf16: stochastically rounded) and the model copy.
+template <size_t S>
+inline void lean_store_param(const OptimTable& k, const KernelTable& conv, const LeanTensor<S>& t,
+                             const LeanChunk& ch, const float* p) {
+  if (t.p_dt == kBF16) {
+    k.stochastic_bf16(p, offset(t.p, kBF16, ch.begin), ch.len, t.key, ch.begin);
+  } else if (t.p_dt != kF32) {
+    conv.copy[kF32][t.p_dt](p, offset(t.p, t.p_dt, ch.begin), ch.len);
+  }
+  if (t.model != nullptr) {
+    conv.copy[kF32][t.model_dt](p, offset(t.model, t.model_dt, ch.begin), ch.len);
+  }
+}
+
 // The CPU side of the ops of optim_args.h. The scale and flag are read on the
 // host (they live in host memory); the loops come from the ISA's table.
 struct CpuBackend {
@@ -308,6 +562,79 @@ struct CpuBackend {
       for_tiles(plan, row, pc.begin, pc.end, [&](float* const* f, int64_t n) {
         k.adam(f[0], f[1], f[2], f[3], n, h);
       });
+    });
+    plan.finish();
+  }
+
+  // The lean ops (optim_args.h's adam_lean_op / sgd_lean_op, checked there).
+  static void adam_lean(const char* op, const optim::LeanLists<2>& lists,
+                        const optim::Flags& flags, const optim::AdamHyper& hyper,
+                        const optim::LeanHyper& lean) {
+    LeanPlan<2> plan(op, lists, lean);
+    const optim::AdamHyper h = scaled(hyper, flags, op);
+    if (step_skipped(flags.noop, op)) {
+      return;
+    }
+    plan.build(lists, lean);
+    const OptimTable& k = optim_kernels();
+    const KernelTable& conv = kernels();
+    const int64_t bs = lean.block_size;
+    plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
+      const int64_t n = ch.len;
+      if (const AdamLeanLoop fused = fused_adam_lean(k, t, bs)) {
+        auto codes = [&](int s) {
+          return static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
+        };
+        auto scales = [&](int s) { return t.scale[s] != nullptr ? t.scale[s] + ch.block : nullptr; };
+        float* p_out = t.model != nullptr ? scratch + 2 * tile : nullptr;
+        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin), codes(0), scales(0),
+              codes(1), scales(1), p_out, scratch, tile, n, bs, t.key, ch.begin, h);
+        if (p_out != nullptr) {
+          conv.copy[kF32][t.model_dt](p_out, offset(t.model, t.model_dt, ch.begin), n);
+        }
+        return;
+      }
+      const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
+      float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
+      float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
+      float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
+      k.adam(g, p, m, v, n, h);
+      lean_encode(k, t, 0, ch, m, bs);
+      lean_encode(k, t, 1, ch, v, bs);
+      lean_store_param(k, conv, t, ch, p);
+    });
+    plan.finish();
+  }
+
+  static void sgd_lean(const char* op, const optim::LeanLists<1>& lists,
+                       const optim::Flags& flags, const optim::SgdHyper& hyper,
+                       const optim::LeanHyper& lean) {
+    LeanPlan<1> plan(op, lists, lean);
+    const optim::SgdHyper h = scaled(hyper, flags, op);
+    if (step_skipped(flags.noop, op)) {
+      return;
+    }
+    plan.build(lists, lean);
+    const OptimTable& k = optim_kernels();
+    const KernelTable& conv = kernels();
+    const int64_t bs = lean.block_size;
+    const bool with_momentum = lists.states[0].used;
+    plan.run(3, [&](const LeanTensor<1>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
+      const int64_t n = ch.len;
+      const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
+      float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
+      float* mom = nullptr;
+      if (with_momentum) {
+        // A first step sets the buffer to the grad: its old codes are not read.
+        mom = h.first_run && t.sc[0] != optim::StateCode::kF32
+                  ? scratch + 2 * tile
+                  : lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
+      }
+      k.sgd(g, p, mom, n, h);
+      if (with_momentum) {
+        lean_encode(k, t, 0, ch, mom, bs);
+      }
+      lean_store_param(k, conv, t, ch, p);
     });
     plan.finish();
   }
@@ -409,4 +736,6 @@ TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
   m.impl("multi_tensor_novograd_", &optim::novograd_op<CpuBackend>);
   m.impl("multi_tensor_lamb_stage1_", &optim::lamb_stage1_op<CpuBackend>);
   m.impl("multi_tensor_lamb_stage2_", &optim::lamb_stage2_op<CpuBackend>);
+  m.impl("multi_tensor_adam_lean_", &optim::adam_lean_op<CpuBackend>);
+  m.impl("multi_tensor_sgd_lean_", &optim::sgd_lean_op<CpuBackend>);
 }

@@ -36,6 +36,34 @@ using LambApplyLoop = void (*)(float* p, const float* m, const float* v, int64_t
 using AdamMixedLoop = void (*)(const void* g, float* p, float* m, float* v, void* model,
                                int64_t n, const optim::AdamHyper& h);
 
+// The lean-state ops (optim_math.h's StateCode). Each covers n elements of one
+// row that start at a block boundary: blocks of block_size elements, the last
+// one shorter when the row ends there; scales holds one fp32 scale per block.
+// Decode writes the fp32 values of the codes (scales unused for float32 and
+// bfloat16 codes).
+using LeanDecodeLoop = void (*)(const void* codes, const float* scales, float* out, int64_t n,
+                                int64_t block_size);
+// Encode stores fp32 x as codes and writes each block's scale; x is scratch
+// (the square-root code overwrites it).
+using LeanEncodeLoop = void (*)(float* x, void* codes, float* scales, int64_t n,
+                                int64_t block_size);
+// bf16 out = x with stochastic rounding: the bits of element e0 + k of the
+// tensor with hash key `key` (optim::rounding_bits); non-finite x to nearest.
+using StochasticBf16Loop = void (*)(const float* x, void* out, int64_t n, uint32_t key,
+                                    int64_t e0);
+
+// Adam over one chunk of a lean-state row in one pass (grads G, params fp32 or
+// bf16, the moments' codes bf16 / int8 / e4m3 and bf16 / uint8 / e4m3),
+// bit-identical to the decode, adam, encode and store loops in turn. tiles
+// holds two fp32 tiles of `tile` >= block elements; p_out (may be null)
+// receives the updated fp32 params (for the model copy). block_size must be
+// a multiple of kLeanFusedAlign.
+using AdamLeanLoop = void (*)(const void* g, void* p, void* m_codes, float* m_scales,
+                              void* v_codes, float* v_scales, float* p_out, float* tiles,
+                              int64_t tile, int64_t n, int64_t block_size, uint32_t key,
+                              int64_t e0, const optim::AdamHyper& h);
+constexpr int64_t kLeanFusedAlign = 32;
+
 struct OptimTable {
   AdamLoop adam;
   SgdLoop sgd;
@@ -43,9 +71,15 @@ struct OptimTable {
   NovoGradLoop novograd;
   LambMomentsLoop lamb_moments;
   LambApplyLoop lamb_apply;
+  LeanDecodeLoop lean_decode[optim::kNumStateCodes];  // [StateCode]
+  LeanEncodeLoop lean_encode[optim::kNumStateCodes];
+  StochasticBf16Loop stochastic_bf16;
   // [grad dtype][model dtype, kNumDt for none]; null where the tiles of
   // optim_ops.cpp serve (fp64, an fp32 model copy).
   AdamMixedLoop adam_mixed[kNumDt][kNumDt + 1];
+  // [grad dtype: kF32, kF16, kBF16][param: fp32, bf16][m: bf16, int8, e4m3]
+  // [v: bf16, uint8, e4m3]; null elsewhere (the tiles of optim_ops.cpp serve).
+  AdamLeanLoop adam_lean[3][2][3][3];
 };
 
 // One table per instruction set; the AVX ones exist on x86 only.
