@@ -149,3 +149,39 @@ def test_table_shows_a_skipped_row():
     text = console.export_text()
     assert "skipped" in text and "FAILED" not in text
     assert "O2-lean: O2 with block-scaled int8 optimizer state" in text
+
+
+def _bench_lean_state():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_lean_state.py"
+    spec = importlib.util.spec_from_file_location("bench_lean_state", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("config, low, high", [
+    ("fp32/fp32", 12.0, 12.01),  # O2 today: fp32 master and two fp32 moments
+    ("fp32/bf16", 8.0, 8.01),  # the bf16 params are their own masters: the moments alone
+    ("bf16/bf16", 4.0, 4.01),
+    ("int8/fp32", 6.0, 6.1),  # fp32 master, int8 + uint8 codes, a scale per 256 each
+    ("int8/bf16", 2.0, 2.1),  # the biases (0.1 % of the params) keep fp32 moments
+])
+def test_bench_lean_state_counts_the_optimizers_bytes(config, low, high):
+    """benchmarks/bench_lean_state.py's bytes per param: state, scales and masters, no model."""
+    import amp_patch as amp
+
+    bench = _bench_lean_state()
+    w = models.mlp(batch_size=8, in_features=256, hidden=1024, layers=3, fused_adam=True)
+    amp.initialize(w.model, w.optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
+                   **bench.initialize_options(config))
+    try:
+        with amp.scale_loss(w.loss_fn(w.model, w.batch_fn(0)), w.optimizer) as scaled:
+            scaled.backward()
+        w.optimizer.step()
+        per_param = bench.optimizer_bytes(w.optimizer, w.model) / models.parameter_count(w.model)
+    finally:
+        amp.deinitialize()
+    assert low <= per_param < high, per_param
