@@ -202,6 +202,21 @@ void lamb_apply_loop(float* p, const float* m, const float* v, int64_t n, float 
 // reference in amp_patch/ops/lean_state_ops.py). Each loop covers n elements
 // of one row from a block boundary; block b of them has scales[b].
 
+// The per-vector helpers of the fused loop must inline into it (as calls they
+// pass their vectors through memory).
+#if defined(__GNUC__)
+#define AMP_LEAN_INLINE inline __attribute__((always_inline))
+#else
+#define AMP_LEAN_INLINE inline
+#endif
+
+// The first n (<= 16) lanes of an AVX-512 vector.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __mmask16 lane_mask(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u));
+}
+#endif
+
 // Calls f(block, offset, length) for each block of [0, n).
 template <typename F>
 inline void for_code_blocks(int64_t n, int64_t block_size, F&& f) {
@@ -285,6 +300,26 @@ inline void quantise_block(float* x, CodeType<C>* out, int64_t len, float s) {
     std::memset(static_cast<void*>(out), 0, len);
     return;
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (C != optim::StateCode::kE4M3) {
+    // A finite non-zero factor: every x is finite (|x| <= s), so is x * factor,
+    // and converting with round-to-nearest-even then clamping the integers is
+    // rne and clamp in fp32. (factor 0, s = inf, takes the general loop below.)
+    if (factor != 0.0f) {
+      const __m512 f = _mm512_set1_ps(factor);
+      const __m512i lo = _mm512_set1_epi32(C == optim::StateCode::kInt8 ? -127 : 1);
+      const __m512i hi = _mm512_set1_epi32(static_cast<int>(top));
+      for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 m = lane_mask(len - i);
+        const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), f);
+        __m512i q = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+        _mm_mask_storeu_epi8(out + i, m, _mm512_cvtepi32_epi8(q));
+      }
+      return;
+    }
+  }
+#endif
   const FVec fv(factor);
   if constexpr (C == optim::StateCode::kE4M3) {
     for_vectors(len, [&](int64_t i, int64_t w) { (load(x + i, w) * fv).store(x + i, w); });
@@ -350,7 +385,7 @@ inline float lanes_max(const FVec& acc) {
 // vectors: the codes times the block's decode factor f (squared for the
 // square-root code), or the bf16 / fp32 state itself. Lanes past count are 0.
 template <optim::StateCode C>
-inline void decode_vectors(const void* codes, int64_t at, int64_t count, const FVec& f, FVec& lo,
+AMP_LEAN_INLINE void decode_vectors(const void* codes, int64_t at, int64_t count, const FVec& f, FVec& lo,
                            FVec& hi) {
   using optim::StateCode;
   if constexpr (C == StateCode::kBF16) {
@@ -359,6 +394,21 @@ inline void decode_vectors(const void* codes, int64_t at, int64_t count, const F
     load_block(static_cast<const float*>(codes) + at, count, lo, hi);
   } else {
     const CodeType<C>* q = static_cast<const CodeType<C>*>(codes) + at;
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (C != StateCode::kE4M3) {
+      static_assert(kW == 16, "AVX-512 holds 16 floats");
+      const __m128i b0 = _mm_maskz_loadu_epi8(lane_mask(count), q);
+      const __m128i b1 = _mm_maskz_loadu_epi8(lane_mask(count - 16), q + 16);
+      const bool s8 = C == StateCode::kInt8;
+      lo = FVec(_mm512_cvtepi32_ps(s8 ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0))) * f;
+      hi = FVec(_mm512_cvtepi32_ps(s8 ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1))) * f;
+      if constexpr (C == StateCode::kSqrtU8) {
+        lo = lo * lo;
+        hi = hi * hi;
+      }
+      return;
+    }
+#endif
     alignas(64) float t[kBlock];
     auto value = [&](int64_t k) {
       if constexpr (C == StateCode::kE4M3) {
@@ -390,7 +440,7 @@ inline void decode_vectors(const void* codes, int64_t at, int64_t count, const F
 // the block's fp32 tile (quantised once the block is done), tracking the
 // largest magnitude of the lanes written.
 template <optim::StateCode C>
-inline void keep_vectors(void* codes, float* tile, int64_t at, int64_t tile_at, int64_t count,
+AMP_LEAN_INLINE void keep_vectors(void* codes, float* tile, int64_t at, int64_t tile_at, int64_t count,
                          const FVec& lo, const FVec& hi, FVec& amax) {
   using optim::StateCode;
   if constexpr (C == StateCode::kBF16) {
@@ -412,11 +462,40 @@ inline void keep_vectors(void* codes, float* tile, int64_t at, int64_t tile_at, 
 // `count` params from two fp32 vectors: fp32 as they are, bf16 stochastically
 // rounded with the bits of elements e .. e + count (see stochastic_bf16_loop).
 template <typename P>
-inline void store_param(P* p, int64_t count, const FVec& lo, const FVec& hi, uint32_t key,
+AMP_LEAN_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec& hi, uint32_t key,
                         uint32_t e) {
   if constexpr (std::is_same_v<P, float>) {
     store_block(p, count, lo, hi);
   } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i k0 = _mm512_set1_epi32(static_cast<int>(optim::kHashK0));
+    const __m512i k1 = _mm512_set1_epi32(static_cast<int>(optim::kHashK1));
+    const __m512i k2 = _mm512_set1_epi32(static_cast<int>(optim::kHashK2));
+    const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i u = _mm512_castps_si512(half == 0 ? __m512(lo) : __m512(hi));
+      const __m512i idx =
+          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(e + 16u * half)), iota);
+      __m512i x = _mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(key)),
+                                   _mm512_mullo_epi32(idx, k0));
+      x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+      x = _mm512_mullo_epi32(x, k1);
+      x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
+      x = _mm512_mullo_epi32(x, k2);
+      x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(x, 16)), 16);
+      const __mmask16 finite =
+          _mm512_cmpneq_epi32_mask(_mm512_and_si512(u, exp_mask), exp_mask);
+      const __mmask16 nan_bits = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x7FFFFF));
+      const __m512i high = _mm512_srli_epi32(u, 16);
+      const __m512i nearest = _mm512_mask_or_epi32(high, nan_bits, high, _mm512_set1_epi32(0x40));
+      const __m256i out = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(finite, nearest, rounded));
+      _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(p) + 16 * half,
+                               lane_mask(count - 16 * half), out);
+    }
+    return;
+#endif
     alignas(64) float x[kBlock];
     lo.store(x);
     hi.store(x + kW);
@@ -429,7 +508,11 @@ inline void store_param(P* p, int64_t count, const FVec& lo, const FVec& hi, uin
       const uint32_t nearest = (u >> 16) | ((u & 0x7FFFFFu) != 0 ? 0x40u : 0u);
       o[k] = static_cast<uint16_t>(optim::finite_bits(u) ? (u + r) >> 16 : nearest);
     }
-    std::memcpy(static_cast<void*>(p), o, count * sizeof(uint16_t));
+    if (count == kBlock) {
+      std::memcpy(static_cast<void*>(p), o, sizeof(o));
+    } else {
+      std::memcpy(static_cast<void*>(p), o, count * sizeof(uint16_t));
+    }
   }
 }
 
