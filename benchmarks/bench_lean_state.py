@@ -207,6 +207,7 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
     kernel = ("native" if ops.has_native_kernel("cpu", "multi_tensor_adam_lean_")
               else "the reference ops (no compiled kernel)")
     failed = [f"{n}: {records[n].error}" for n in names if not records[n].ok]
+    threads = next((r.threads for r in records.values() if r.threads), None)
     parts = [
         "## Lean optimizer state: the benchmark LM at O2 (lean-state)",
         "",
@@ -217,7 +218,8 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
         f"{LM.d_model}, {LM.n_layers} blocks, seq {LM.seq_len}, batch {LM.batch_size}), amp_patch "
         "FusedAdam (AdamW mode), bf16, O2 with each `optimizer_state` and `master_weights` "
         "(`fp32` masters: True; `bf16`: a bf16 param is its own master, stochastic rounding). "
-        f"Each row in its own process, round-robin: {warmup} warm-up steps, then {rounds} rounds "
+        f"Each row in its own process ({threads} torch thread{'s' * (threads != 1)}), "
+        f"round-robin: {warmup} warm-up steps, then {rounds} rounds "
         f"of {steps} timed steps per row. Optimizer bytes: every tensor in the optimizer's state "
         "(moments or codes, block scales, step counters) plus the fp32 masters it steps, over the "
         "parameter count (a bf16 param that is its own master counts 0). Peak memory: compare's "
