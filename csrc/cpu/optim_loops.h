@@ -308,13 +308,20 @@ inline void quantise_block(float* x, CodeType<C>* out, int64_t len, float s) {
     if (factor != 0.0f) {
       const __m512 f = _mm512_set1_ps(factor);
       const __m512i lo = _mm512_set1_epi32(C == optim::StateCode::kInt8 ? -127 : 1);
-      const __m512i hi = _mm512_set1_epi32(static_cast<int>(top));
-      for (int64_t i = 0; i < len; i += 16) {
+      // Clamped below, then narrowed with saturation above (top is the type's largest).
+      auto code = [&](const __m512 xv) {
+        const __m512 y = _mm512_mul_ps(xv, f);
+        const __m512i q = _mm512_max_epi32(
+            _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo);
+        return C == optim::StateCode::kInt8 ? _mm512_cvtsepi32_epi8(q) : _mm512_cvtusepi32_epi8(q);
+      };
+      int64_t i = 0;
+      for (; i + 16 <= len; i += 16) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), code(_mm512_loadu_ps(x + i)));
+      }
+      if (i < len) {
         const __mmask16 m = lane_mask(len - i);
-        const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), f);
-        __m512i q = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
-        _mm_mask_storeu_epi8(out + i, m, _mm512_cvtepi32_epi8(q));
+        _mm_mask_storeu_epi8(out + i, m, code(_mm512_maskz_loadu_ps(m, x + i)));
       }
       return;
     }
@@ -491,8 +498,12 @@ AMP_LEAN_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec
       const __m512i high = _mm512_srli_epi32(u, 16);
       const __m512i nearest = _mm512_mask_or_epi32(high, nan_bits, high, _mm512_set1_epi32(0x40));
       const __m256i out = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(finite, nearest, rounded));
-      _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(p) + 16 * half,
-                               lane_mask(count - 16 * half), out);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(p) + 16 * half;
+      if (count == kBlock) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), out);
+      } else {
+        _mm256_mask_storeu_epi16(dst, lane_mask(count - 16 * half), out);
+      }
     }
     return;
 #endif
@@ -542,8 +553,13 @@ void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_sca
       const int64_t c = std::min<int64_t>(kBlock, len - i);
       const int64_t at = j + i;
       FVec gv[2], pv[2], mv[2], vv[2];
-      load_block(g + at, c, gv[0], gv[1]);
-      load_block(p + at, c, pv[0], pv[1]);
+      if (c == kBlock) {  // (load_block's partial path keeps it from inlining)
+        Block<G>::load(g + at, gv[0], gv[1]);
+        Block<P>::load(p + at, pv[0], pv[1]);
+      } else {
+        load_block(g + at, c, gv[0], gv[1]);
+        load_block(p + at, c, pv[0], pv[1]);
+      }
       decode_vectors<MC>(m_codes, at, c, fm, mv[0], mv[1]);
       decode_vectors<VC>(v_codes, at, c, fv, vv[0], vv[1]);
       for (int k = 0; k < 2; ++k) {

@@ -336,6 +336,18 @@ def test_stochastic_rounding_changes_with_step_and_seed(device):
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed,step", [(-7, 3), (2**40 + 3, 2**33 + 5), (0, 0), (2**31, -1)])
+def test_rounding_key_wraps_like_python(device, seed, step):
+    """Seeds and steps beyond 32 bits (or negative) enter the hash modulo 2**32."""
+    name, args = _adam_args(device=device, shapes=[((3, 700), "contiguous")], bias_correction=False)
+    args[14], args[18] = step, seed
+    _check(name, args)
+    name, args = _sgd_args(device=device, shapes=[((3, 700), "contiguous")])
+    args[14], args[16] = step, seed
+    _check(name, args)
+
+
 # ------------------------------------------------------------ hypothesis
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
