@@ -6,7 +6,7 @@
 #                        included; the import-graph check and the docstring examples with it)
 #   make test-fast       the same without the cases marked slow
 #   make lint            ruff and mypy alone
-#   make bench           kernel and end-to-end benchmarks -> docs/benchmarks.md
+#   make bench           kernel, end-to-end and lean-state benchmarks -> docs/benchmarks.md
 #   make check-cuda      compile the CUDA kernels against a CUDA build of torch (no GPU needed)
 #   make test-matrix     the suite on torch 2.6.0, 2.9.1, 2.13.0 and 2.14.1, one venv each, cached
 #                        outside the checkout (TORCH_VERSIONS="2.6.0 2.14.1" for fewer; slow,

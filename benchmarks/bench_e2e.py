@@ -46,7 +46,7 @@ from amp_patch.cli import models  # noqa: E402
 from amp_patch.cli.host_facts import MIN_ROUNDS, HostFacts, LoadMonitor, cpu_half_banner  # noqa: E402
 from amp_patch.cli.round_robin import JobSpec, LevelRecord, median_step_seconds  # noqa: E402
 from amp_patch.cli.round_robin import measure as measure_levels  # noqa: E402
-from amp_patch.cli.trainer import HALF_DTYPES, LEVELS  # noqa: E402
+from amp_patch.cli.trainer import HALF_DTYPES, LEVELS, PRESETS  # noqa: E402
 
 #: The workloads, sized so that an fp32 step takes 100-500 ms on the project's 2-core CPU.
 WORKLOADS = {
@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--half-dtype", choices=sorted(HALF_DTYPES), default=None,
                    help="default: fp16 on CUDA, bf16 on CPU")
     p.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
-    p.add_argument("--levels", nargs="+", choices=LEVELS, default=list(LEVELS))
+    # The presets (O2-lean) have their own benchmark, bench_lean_state.py.
+    p.add_argument("--levels", nargs="+", choices=LEVELS,
+                   default=[lv for lv in LEVELS if lv not in PRESETS])
     p.add_argument("--allocators", nargs="+", choices=ALLOCATORS, default=None,
                    help="CPU malloc settings to measure under (default: both on CPU)")
     p.add_argument("--rounds", type=int, default=8, help="rounds of round-robin timing (default: 8)")

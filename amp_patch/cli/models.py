@@ -26,6 +26,7 @@ random teacher.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amp_patch.optimizers import FusedAdam
+from amp_patch.optimizers import FusedAdam, FusedSGD
 
 __all__ = [
     "Workload",
@@ -51,6 +52,7 @@ __all__ = [
     "build",
     "default_batch_size",
     "parameter_count",
+    "fused_variant",
 ]
 
 
@@ -257,6 +259,7 @@ def mlp(
     layers: int = 4,
     classes: int = 16,
     lr: float = 1e-3,
+    fused_adam: bool = False,
 ) -> Workload:
     """An MLP of ``layers`` Linear layers with GELU, classifying the output of a fixed random
     teacher.
@@ -271,6 +274,9 @@ def mlp(
         layers (int, optional): number of Linear layers (at least 2). Default: 4.
         classes (int, optional): number of classes. Default: 16.
         lr (float, optional): Adam learning rate. Default: 1e-3.
+        fused_adam (bool, optional): build amp_patch's
+            :class:`~amp_patch.optimizers.FusedAdam` (Adam mode, the same
+            hyper-parameters) instead of torch's Adam. Default: False.
 
     Returns:
         Workload: ``(model, optimizer, batch_fn, loss_fn)``; the optimizer is Adam.
@@ -287,7 +293,9 @@ def mlp(
         if i < layers - 1:
             mods.append(nn.GELU())
     model = nn.Sequential(*mods).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    optimizer: torch.optim.Optimizer = (
+        FusedAdam(model.parameters(), lr=lr, adam_w_mode=False) if fused_adam
+        else torch.optim.Adam(model.parameters(), lr=lr))
     teacher = torch.randn(in_features, classes, generator=_generator(seed, -1))
 
     def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,6 +320,7 @@ def convnet(
     channels: int = 32,
     classes: int = 10,
     lr: float = 0.05,
+    fused_sgd: bool = False,
 ) -> Workload:
     """A small conv net with BatchNorm (three conv-BN-ReLU stages), on noisy class templates.
 
@@ -328,6 +337,9 @@ def convnet(
         channels (int, optional): channels of the first stage (doubled per stage). Default: 32.
         classes (int, optional): number of classes. Default: 10.
         lr (float, optional): SGD (momentum 0.9) learning rate. Default: 0.05.
+        fused_sgd (bool, optional): build amp_patch's
+            :class:`~amp_patch.optimizers.FusedSGD` (the same hyper-parameters)
+            instead of torch's SGD. Default: False.
 
     Returns:
         Workload: ``(model, optimizer, batch_fn, loss_fn)``; the optimizer is SGD.
@@ -345,7 +357,9 @@ def convnet(
         *stage(3, c), *stage(c, 2 * c), *stage(2 * c, 4 * c),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * c, classes),
     ).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer: torch.optim.Optimizer = (
+        FusedSGD(model.parameters(), lr=lr, momentum=0.9) if fused_sgd
+        else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     templates = torch.randn(classes, 3, image_size, image_size, generator=_generator(seed, -1))
 
     def batch_fn(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,6 +379,9 @@ def convnet(
 
 #: Built-in factories by the name ``--model`` takes.
 BUILTIN: dict[str, Callable[..., Workload]] = {"lm": lm, "mlp": mlp, "convnet": convnet}
+
+#: Each built-in's argument that builds amp_patch's fused optimizer in place of torch's.
+_FUSED_FLAGS = {"lm": "fused_adam", "mlp": "fused_adam", "convnet": "fused_sgd"}
 
 #: The batch size of each built-in factory when none is given.
 _BATCH_SIZES = {"lm": COMPARE_LM.batch_size, "mlp": 256, "convnet": 64}
@@ -393,6 +410,34 @@ def default_batch_size(spec: str) -> int | None:
         return None
     default = None if param is None else param.default
     return default if isinstance(default, int) and not isinstance(default, bool) else None
+
+
+def fused_variant(spec: str) -> Any:
+    """The workload ``spec`` with amp_patch's fused optimizer in place of torch's, for the rows
+    that need one (:data:`amp_patch.cli.trainer.PRESETS`).
+
+    A built-in gets the same optimizer as amp_patch's
+    :class:`~amp_patch.optimizers.FusedAdam` (``lm``, ``mlp``) or
+    :class:`~amp_patch.optimizers.FusedSGD` (``convnet``), with the same
+    hyper-parameters. A user's ``pkg.module:factory`` is returned as it is: its
+    own optimizer decides whether such a row can run.
+
+    Args:
+        spec (str): a built-in name or ``"pkg.module:factory"``.
+
+    Returns:
+        str or callable: a picklable factory, or ``spec``.
+
+    Example::
+
+        >>> fused_variant("convnet").keywords
+        {'fused_sgd': True}
+        >>> fused_variant("mypkg.models:make")
+        'mypkg.models:make'
+    """
+    if spec in _FUSED_FLAGS:
+        return functools.partial(BUILTIN[spec], **{_FUSED_FLAGS[spec]: True})
+    return spec
 
 
 def resolve(spec: str) -> Callable[..., Workload]:

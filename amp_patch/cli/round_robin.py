@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from amp_patch.cli import data_parallel, models
 from amp_patch.cli.host_facts import cpu_count
-from amp_patch.cli.trainer import CpuPeak, LevelTrainer
+from amp_patch.cli.trainer import CpuPeak, LevelTrainer, Preset, Unavailable
 from amp_patch.distributed import close_process_group
 from amp_patch.dtypes import HALF_DTYPE_NAMES
 
@@ -84,6 +84,13 @@ class JobSpec:
             process per level.
         nproc (int, optional): ranks per level under a ``strategy``. Their
             threads default to the CPUs shared out among them. Default: 1.
+        presets (tuple of Preset, optional): rows beyond
+            :data:`~amp_patch.cli.trainer.LEVELS` that the processes may be asked
+            for, by their names (a benchmark's grid of ``initialize`` options,
+            say). Default: none.
+        time_optimizer (bool, optional): synchronise the device around each
+            ``optimizer.step()`` (its time is reported either way, see
+            :attr:`LevelRecord.optimizer_step_seconds`). Default: False.
     """
 
     model: Any
@@ -98,6 +105,8 @@ class JobSpec:
     level_models: tuple[tuple[str, Any], ...] = ()
     strategy: str | None = None
     nproc: int = 1
+    presets: tuple[Preset, ...] = ()
+    time_optimizer: bool = False
 
 
 @dataclass
@@ -107,6 +116,8 @@ class LevelRecord:
     Attributes:
         level (str): the level.
         error (str or None): the traceback (or how the process died), when it failed.
+        unavailable (str or None): why the row cannot run with this workload
+            (:class:`~amp_patch.cli.trainer.Unavailable`): it was skipped, not failed.
         threads (int or None): torch threads the process ran with.
         memory_kind (str): ``"cuda_max_allocated"`` or ``"cpu_peak_anon_rss_delta"``.
         warmup_steps (int): untimed steps before the first round.
@@ -117,6 +128,8 @@ class LevelRecord:
         round_seconds (list of float): time of each timed round (the sum of its steps' times).
         round_peak_bytes (list of int): peak memory within each timed round.
         step_seconds (list of float): every timed step's time, in order.
+        optimizer_step_seconds (list of float): the time of every timed step's
+            ``optimizer.step()`` call alone, in order.
         peak_bytes (int or None): peak memory over the whole run, warm-up
             included; under a strategy, of the rank with the most.
         rank_peak_bytes (list of int): under a strategy, each rank's peak
@@ -127,6 +140,7 @@ class LevelRecord:
 
     level: str
     error: str | None = None
+    unavailable: str | None = None
     threads: int | None = None
     memory_kind: str = ""
     warmup_steps: int = 0
@@ -137,13 +151,15 @@ class LevelRecord:
     round_seconds: list[float] = field(default_factory=list)
     round_peak_bytes: list[int] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    optimizer_step_seconds: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
     rank_peak_bytes: list[int] = field(default_factory=list)
     round_rank_peak_bytes: list[list[int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.error is None
+        """The row ran: it neither failed nor was unavailable."""
+        return self.error is None and self.unavailable is None
 
     @property
     def round_speeds(self) -> list[float]:
@@ -167,6 +183,7 @@ class LevelRecord:
             self.round_steps.append(len(chunk["seconds"]))
             self.round_seconds.append(sum(chunk["seconds"]))
             self.step_seconds += chunk["seconds"]
+            self.optimizer_step_seconds += chunk.get("optimizer_seconds", [])
             if chunk["peak_bytes"] is not None:
                 self.round_peak_bytes.append(chunk["peak_bytes"])
         else:
@@ -223,14 +240,15 @@ class _Level:
         if spec.strategy is not None:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(spec.seed)
+        row: str | Preset = next((p for p in spec.presets if p.name == level), level)
         model_ref = dict(spec.level_models).get(level, spec.model)
         factory = models.resolve(model_ref) if isinstance(model_ref, str) else model_ref
         model, optimizer, self.batch_fn, loss_fn = models.build(factory, device, spec.batch_size,
                                                                 spec.seed)
-        self.trainer = LevelTrainer(level, model, optimizer, loss_fn, device,
+        self.trainer = LevelTrainer(row, model, optimizer, loss_fn, device,
                                     HALF_DTYPE_NAMES[spec.half_dtype],
                                     sample=self.memory.cpu.sample,
-                                    strategy=spec.strategy)
+                                    strategy=spec.strategy, time_optimizer=spec.time_optimizer)
         self.cached = [self._batch(i) for i in range(spec.cycle_batches)]
         torch.manual_seed(spec.seed)  # what the model's own randomness (dropout) draws from
         self.step = 0
@@ -245,7 +263,8 @@ class _Level:
     def train(self, n: int, send: Callable[[Any], None] | None) -> dict[str, Any]:
         """Train the next ``n`` steps; return the chunk (every rank's peaks on rank 0)."""
         spec, device = self.spec, self.device
-        chunk: dict[str, Any] = {"losses": [], "scales": [], "skipped": [], "seconds": []}
+        chunk: dict[str, Any] = {"losses": [], "scales": [], "skipped": [], "seconds": [],
+                                 "optimizer_seconds": []}
         self.memory.begin()
         for _ in range(n):
             batch = (self.cached[self.step % len(self.cached)] if self.cached
@@ -258,6 +277,7 @@ class _Level:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             chunk["seconds"].append(time.perf_counter() - t0)
+            chunk["optimizer_seconds"].append(self.trainer.optimizer_seconds)
             if self.world > 1:  # the loss of the whole global batch; not timed
                 loss = data_parallel.mean_over_ranks(step_loss)
             chunk["losses"].append(loss)
@@ -285,7 +305,11 @@ def _serve(conn, level: str, spec: JobSpec) -> None:
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        run = _Level(level, spec, torch.device(spec.device))
+        try:
+            run = _Level(level, spec, torch.device(spec.device))
+        except Unavailable as exc:
+            conn.send(("unavailable", str(exc)))
+            return
         conn.send(("ready", run.facts()))
         while True:
             cmd, n = conn.recv()
@@ -314,7 +338,14 @@ def _serve_rank(conn, level: str, spec: JobSpec) -> None:
         os.close(devnull)
     try:
         torch.set_num_threads(spec.threads or data_parallel.rank_threads(spec.nproc, cpu_count()))
-        run = _Level(level, spec, data_parallel.init_process_group(torch.device(spec.device).type))
+        device = data_parallel.init_process_group(torch.device(spec.device).type)
+        try:
+            run = _Level(level, spec, device)
+        except Unavailable as exc:  # every rank builds the same optimizer: all end here
+            close_process_group()
+            if lead:
+                conn.send(("unavailable", str(exc)))
+            return
         if lead:
             conn.send(("ready", run.facts()))
         while True:
@@ -467,12 +498,19 @@ class LevelPool:
                     self.on_step(level, *payload)
             elif kind == expected:
                 return payload
+            elif kind == "unavailable":
+                self.records[level].unavailable = payload
+                self._drop(level)
+                return None
             else:
                 self._fail(level, payload)
                 return None
 
     def _fail(self, level: str, error: str) -> None:
         self.records[level].error = error
+        self._drop(level)
+
+    def _drop(self, level: str) -> None:
         proc = self._procs.pop(level)
         self._conns.pop(level).close()
         proc.join(timeout=5)

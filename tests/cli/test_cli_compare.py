@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from amp_patch import levels
-from amp_patch.cli import compare, host_facts, data_parallel, round_robin
+from amp_patch.cli import compare, host_facts, data_parallel, round_robin, trainer
 from amp_patch.cli.compare import command
 from amp_patch.cli.compare import results as compare_results
 from amp_patch.cli import main as cli_main
@@ -46,10 +46,14 @@ def test_compare_all_levels_json_png_table(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((out / "results.json").read_text())
     assert data["config"]["half_dtype"] == "bf16" and data["config"]["steps"] == 5
-    assert list(data["levels"]) == [*levels.NAMES, "autocast"]
+    # Apex's levels, the lean preset (mlp builds FusedAdam for it), then torch.autocast.
+    assert list(data["levels"]) == [*levels.NAMES, "O2-lean", "autocast"]
+    assert list(trainer.PRESETS) == ["O2-lean"]
+    assert data["config"]["presets"] == {
+        "O2-lean": {"opt_level": "O2", "optimizer_state": "int8", "master_weights": "bf16"}}
     o0 = data["levels"]["O0"]
     for level, r in data["levels"].items():
-        assert r["ok"] and r["error"] is None, level
+        assert r["ok"] and r["error"] is None and r["unavailable"] is None, level
         assert len(r["losses"]) == 5 and all(math.isfinite(v) for v in r["losses"])
         assert r["steps_per_s"] > 0 and r["speedup_vs_O0"] > 0
         assert r["peak_memory_bytes"] >= 0
@@ -76,8 +80,9 @@ def test_compare_all_levels_json_png_table(tmp_path):
     assert isinstance(data["warnings"], list)
     assert (out / "compare.png").read_bytes()[:8] == PNG_MAGIC
     table = (out / "table.txt").read_text()
-    for word in ("O0", "O1", "O2", "O3", "autocast", "steps/s", "speed-up", "peak mem", "skipped",
-                 "load average", "bf16 native", "timed rounds"):
+    for word in ("O0", "O1", "O2", "O3", "O2-lean", "autocast", "steps/s", "speed-up", "peak mem",
+                 "skipped", "load average", "bf16 native", "timed rounds",
+                 "O2-lean: O2 with block-scaled int8 optimizer state"):
         assert word in table
 
 

@@ -10,7 +10,8 @@ from amp_patch.cli.compare.results import Comparison, LevelResult
 __all__ = ["write_plot"]
 
 _STYLES = {"O0": ("black", "-", 2.2), "O1": ("tab:blue", "-", 1.4), "O2": ("tab:orange", "-", 1.4),
-           "O3": ("tab:red", "-", 1.4), "autocast": ("tab:green", "--", 1.6)}
+           "O3": ("tab:red", "-", 1.4), "O2-lean": ("tab:purple", "-.", 1.6),
+           "autocast": ("tab:green", "--", 1.6)}
 
 
 def write_plot(comparison: Comparison, path: Path, title: str) -> None:

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from amp_patch.cli import host_facts
+from amp_patch.cli import host_facts, models
 from amp_patch.cli.progress import make_progress
 from amp_patch.cli.round_robin import JobSpec, LevelRecord, measure, split_steps
-from amp_patch.cli.trainer import LEVELS
+from amp_patch.cli.trainer import LEVELS, PRESETS
 
 __all__ = ["LEVELS", "LevelResult", "Comparison", "derive", "run_compare"]
 
@@ -29,9 +29,12 @@ class LevelResult:
     """What one level's run produced (or how it failed).
 
     Attributes:
-        level (str): ``"O0"`` ... ``"O3"`` or ``"autocast"``.
+        level (str): ``"O0"`` ... ``"O3"``, a preset (``"O2-lean"``) or ``"autocast"``.
         ok (bool): the run finished.
         error (str or None): the traceback when it did not.
+        unavailable (str or None): why the row did not run with this workload
+            (a lean preset with an optimizer that cannot keep lean state): skipped,
+            not failed.
         steps_per_s (float or None): median over timed rounds of the
             round's steps per second; None with fewer than
             :data:`~amp_patch.cli.host_facts.MIN_ROUNDS` rounds.
@@ -59,6 +62,7 @@ class LevelResult:
     level: str
     ok: bool = False
     error: str | None = None
+    unavailable: str | None = None
     steps_per_s: float | None = None
     steps_per_s_range: list[float] | None = None
     round_steps_per_s: list[float] = field(default_factory=list)
@@ -86,6 +90,7 @@ class LevelResult:
         rank_peaks = ([max(by_rank) for by_rank in zip(*rank_rounds)] if rank_rounds
                       else record.rank_peak_bytes or None)
         return cls(level=record.level, ok=record.ok, error=record.error,
+                   unavailable=record.unavailable,
                    steps_per_s=statistics.median(speeds) if enough else None,
                    steps_per_s_range=[min(speeds), max(speeds)] if speeds else None,
                    round_steps_per_s=speeds,
@@ -202,9 +207,12 @@ def run_compare(job: dict[str, Any], levels: list[str], console=None,
 
     console = console or Console()
     strategy, nproc = job.get("strategy"), job.get("nproc", 1)
+    # The presets that need amp_patch's fused optimizers build the workload with one.
+    level_models = tuple((lv, models.fused_variant(job["model"])) for lv in levels
+                         if lv in PRESETS and PRESETS[lv].lean_state)
     spec = JobSpec(job["model"], device=job["device"], half_dtype=job["half_dtype"],
                    seed=job["seed"], batch_size=job["batch_size"], report_steps=True,
-                   strategy=strategy, nproc=nproc)
+                   strategy=strategy, nproc=nproc, level_models=level_models)
     rounds = split_steps(job["steps"] - job["warmup"], job["rounds"])
     load = host_facts.LoadMonitor().start()
     with make_progress(levels, job["steps"], console, "compare", progress_interval) as progress:
@@ -214,7 +222,8 @@ def run_compare(job: dict[str, Any], levels: list[str], console=None,
             for lv, rec in records.items():
                 if not rec.ok and lv not in failed:
                     failed.add(lv)
-                    progress.status(lv, "FAILED", done=True)
+                    progress.status(lv, "FAILED" if rec.unavailable is None else "skipped",
+                                    done=True)
 
         def ready(records: dict[str, LevelRecord]) -> None:
             tell_failures(records)

@@ -6,6 +6,7 @@ import math
 
 from amp_patch.cli import host_facts
 from amp_patch.cli.compare.results import Comparison, LevelResult
+from amp_patch.cli.trainer import PRESETS
 
 __all__ = ["render_table", "ranks_line"]
 
@@ -65,6 +66,9 @@ def render_table(comparison: Comparison, title: str):
                "final loss", "max |Δloss|", "skipped", "scale")
     rows = []
     for r in comparison.results:
+        if r.unavailable is not None:
+            rows.append([r.level, *["-"] * (len(headers) - 2), "[yellow]skipped"])
+            continue
         if not r.ok:
             rows.append([r.level, *["-"] * (len(headers) - 2), "[red]FAILED"])
             continue
@@ -79,6 +83,8 @@ def render_table(comparison: Comparison, title: str):
                f"steps per level after {warmup} warm-up steps; speeds are medians over rounds, "
                "speed-up and max |Δloss| are against O0 (per round, per step)",
                *filter(None, [ranks_line(comparison)]),
+               *(f"{r.level}: {PRESETS[r.level].about}" for r in comparison.results
+                 if r.level in PRESETS),
                comparison.host.line(), comparison.load.line()]
     if len(comparison.rounds) < host_facts.MIN_ROUNDS:
         caption.append(f"n/a: a speed needs at least {host_facts.MIN_ROUNDS} timed rounds, "
