@@ -62,11 +62,13 @@ from amp_patch.ops._library import _check_rows, _ops, register
 from amp_patch.ops.optimizer_ops import (
     _adam_moments,
     _bias_correction,
+    _check_sgd_lists,
     _commit,
     _f32,
     _grad32,
     _keep,
     _one_minus,
+    _sgd_update,
     _sqrt_rn,
 )
 
@@ -420,15 +422,9 @@ def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params
                   inv_scale, lr, weight_decay, momentum, dampening, nesterov, first_run,
                   wd_after_momentum, step, block_size, seed) -> None:
     op = "multi_tensor_sgd_lean_"
-    with_momentum = momentum != 0.0
-    if with_momentum and len(momentum_buffers) != len(grads):
-        raise RuntimeError(f"amp_patch::{op}: momentum is {momentum} but momentum_buffers has "
-                           f"{len(momentum_buffers)} tensors for {len(grads)} grads")
-    _check_rows(op, grads=grads, params=params,
-                momentum_buffers=momentum_buffers if with_momentum else None,
-                model_params=model_params or None)
+    _check_sgd_lists(op, grads, params, momentum_buffers, model_params, momentum)
     _check_common(op, params, block_size)
-    if with_momentum:
+    if momentum != 0.0:
         _check_state(op, "momentum_buffers", momentum_buffers, "momentum_scales",
                      momentum_scales, block_size)
     keep = _keep(noop)
@@ -437,23 +433,16 @@ def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
-        g, p = _grad32(grad, inv_scale), params[i].float()
-        if wd != 0.0 and not wd_after_momentum:
-            g = g + wd * p
+        def old(i: int = i) -> Tensor:
+            scales = _scale_of(momentum_buffers, momentum_scales, i)
+            return decode(momentum_buffers[i], scales, block_size)
+
+        p, buf = _sgd_update(_grad32(grad, inv_scale), params[i].float(), old, lr, wd, mu, c_damp,
+                             nesterov, first_run, wd_after_momentum)
         state: list[tuple[Tensor, Tensor]] = []
-        if with_momentum:
-            if first_run:
-                buf = g
-            else:
-                old = decode(momentum_buffers[i], _scale_of(momentum_buffers, momentum_scales, i),
-                             block_size)
-                buf = mu * old + c_damp * g
-            g = g + mu * buf if nesterov else buf
+        if buf is not None:
             codes, scale = encode(buf, momentum_buffers[i].dtype, block_size)
             state = _scale_pairs(momentum_buffers, momentum_scales, i, codes, scale)
-        if wd != 0.0 and wd_after_momentum:
-            g = g + wd * p
-        p = p - lr * g
         stored = _store_param(params[i], p, seed, step, i)
         _commit(keep, (params[i], stored), *state, *_model_copy(model_params, i, stored))
 

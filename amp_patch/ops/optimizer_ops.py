@@ -162,32 +162,47 @@ def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scal
                 *_out(model_params, i, p))
 
 
-def _sgd_ref(grads, params, momentum_buffers, model_params, noop, inv_scale, lr, weight_decay,
-             momentum, dampening, nesterov, first_run, wd_after_momentum) -> None:
-    op = "multi_tensor_sgd_"
+def _check_sgd_lists(op: str, grads, params, momentum_buffers, model_params,
+                     momentum: float) -> None:
     if momentum != 0.0 and len(momentum_buffers) != len(grads):
         raise RuntimeError(f"amp_patch::{op}: momentum is {momentum} but momentum_buffers has "
                            f"{len(momentum_buffers)} tensors for {len(grads)} grads")
     _check_rows(op, grads=grads, params=params,
                 momentum_buffers=momentum_buffers if momentum != 0.0 else None,
                 model_params=model_params or None)
+
+
+def _sgd_update(g: Tensor, p: Tensor, old_buf: Callable[[], Tensor], lr: float, wd: float,
+                mu: float, c_damp: float, nesterov: bool, first_run: bool,
+                wd_after_momentum: bool) -> tuple[Tensor, Tensor | None]:
+    """Apex's SGD rule in fp32: the new param, and the new momentum buffer (None without
+    momentum). ``old_buf()`` reads the old buffer as fp32; a first run does not call it."""
+    if wd != 0.0 and not wd_after_momentum:
+        g = g + wd * p
+    buf = None
+    if mu != 0.0:
+        buf = g if first_run else mu * old_buf() + c_damp * g
+        g = g + mu * buf if nesterov else buf
+    if wd != 0.0 and wd_after_momentum:
+        g = g + wd * p
+    return p - lr * g, buf
+
+
+def _sgd_ref(grads, params, momentum_buffers, model_params, noop, inv_scale, lr, weight_decay,
+             momentum, dampening, nesterov, first_run, wd_after_momentum) -> None:
+    _check_sgd_lists("multi_tensor_sgd_", grads, params, momentum_buffers, model_params, momentum)
     keep = _keep(noop)
     lr, wd, mu = _f32(lr), _f32(weight_decay), _f32(momentum)
     c_damp = _one_minus(_f32(dampening))
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
-        g, p = _grad32(grad, inv_scale), params[i].float()
-        if wd != 0.0 and not wd_after_momentum:
-            g = g + wd * p
-        state = []
-        if mu != 0.0:
-            buf = g if first_run else mu * momentum_buffers[i].float() + c_damp * g
-            g = g + mu * buf if nesterov else buf
-            state = [(momentum_buffers[i], buf)]
-        if wd != 0.0 and wd_after_momentum:
-            g = g + wd * p
-        p = p - lr * g
+        def old(i: int = i) -> Tensor:
+            return momentum_buffers[i].float()
+
+        p, buf = _sgd_update(_grad32(grad, inv_scale), params[i].float(), old, lr, wd, mu,
+                             c_damp, nesterov, first_run, wd_after_momentum)
+        state = [] if buf is None else [(momentum_buffers[i], buf)]
         _commit(keep, (params[i], p), *state, *_out(model_params, i, p))
 
 
