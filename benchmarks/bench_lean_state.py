@@ -25,7 +25,8 @@ The configurations train side by side, round-robin (each round every
 configuration trains its steps in turn, the first rotating), as compare and
 ``bench_e2e.py`` do, so that machine noise falls on all alike. Targets (issue
 24): int8 state with bf16 masters at <= 0.70x O2's peak, <= 4 optimizer bytes
-per parameter, and <= 1.05x O2's optimizer step time. The section
+per parameter, and <= 1.05x O2's step time, reported both for the optimizer
+step alone and for the whole training step. The section
 ``lean-state`` of ``docs/benchmarks.md`` is rewritten.
 
 Usage::
@@ -68,6 +69,8 @@ TARGETS = [
     ("peak memory / O2's", "int8/bf16", "peak", 0.70),
     ("optimizer bytes / param", "int8/bf16", "bytes", 4.0),
     ("optimizer step time / O2's", "int8/bf16", "opt", 1.05),
+    # The issue's "step time" read as the training step (compare's measure): both are shown.
+    ("training step time / O2's", "int8/bf16", "train", 1.05),
 ]
 
 
@@ -196,7 +199,8 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
     host = _host_kind()
     values = {"peak": lambda n: _ratio(peak.get(n), peak.get(ANCHOR)),
               "bytes": lambda n: per_param.get(n),
-              "opt": lambda n: _ratio(opt.get(n), opt.get(ANCHOR))}
+              "opt": lambda n: _ratio(opt.get(n), opt.get(ANCHOR)),
+              "train": lambda n: _ratio(whole.get(n), whole.get(ANCHOR))}
     target_rows = []
     for what, n, kind, target in TARGETS:
         value = values[kind](n) if n in records or kind == "bytes" else None
