@@ -49,7 +49,9 @@ def test_unknown_levels_name_the_registry():
 def test_every_reader_has_the_same_levels():
     assert OPT_LEVELS == levels.NAMES == tuple(levels.OPT_LEVELS)
     assert trainer.AMP_LEVELS == levels.NAMES
-    assert trainer.LEVELS == (*levels.NAMES, "autocast")
+    # compare's rows: the registry's levels, then the presets over them (O2-lean), then autocast.
+    assert trainer.AMP_ROWS == (*levels.NAMES, *trainer.PRESETS)
+    assert trainer.LEVELS == (*levels.NAMES, *trainer.PRESETS, "autocast")
 
 
 def test_half_dtype_names_are_one_table():
