@@ -60,8 +60,8 @@ from torch import Tensor
 
 from amp_patch.ops._library import _check_rows, _ops, register
 from amp_patch.ops.optimizer_ops import (
+    _adam_constants,
     _adam_moments,
-    _bias_correction,
     _check_sgd_lists,
     _commit,
     _f32,
@@ -397,9 +397,8 @@ def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg
     _check_state(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
                  block_size)
     keep = _keep(noop)
-    b1, b2, lr, eps, wd = _f32(beta1), _f32(beta2), _f32(lr), _f32(eps), _f32(weight_decay)
-    c1, c2 = _one_minus(b1), _one_minus(b2)
-    bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
+    b1, b2, c1, c2, bc1, bc2, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay,
+                                                            step, bias_correction)
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue

@@ -143,14 +143,22 @@ def _adam_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, 
     return m, v, _adam_direction(m, v, p, bc1, bc2, eps, wd, adam_w_mode)
 
 
+def _adam_constants(beta1: float, beta2: float, lr: float, eps: float, weight_decay: float,
+                    step: int, bias_correction: bool) -> tuple[float, ...]:
+    """Adam's hyper-parameters as the kernels take them: ``(b1, b2, 1-b1, 1-b2, bc1, bc2, lr,
+    eps, wd)``, each rounded to fp32 once."""
+    b1, b2 = _f32(beta1), _f32(beta2)
+    return (b1, b2, _one_minus(b1), _one_minus(b2), _bias_correction(b1, step, bias_correction),
+            _bias_correction(b2, step, bias_correction), _f32(lr), _f32(eps), _f32(weight_decay))
+
+
 def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scale, lr, beta1,
               beta2, eps, weight_decay, step, adam_w_mode, bias_correction) -> None:
     _check_rows("multi_tensor_adam_", grads=grads, params=params, exp_avgs=exp_avgs,
                 exp_avg_sqs=exp_avg_sqs, model_params=model_params or None)
     keep = _keep(noop)
-    b1, b2, lr, eps, wd = _f32(beta1), _f32(beta2), _f32(lr), _f32(eps), _f32(weight_decay)
-    c1, c2 = _one_minus(b1), _one_minus(b2)
-    bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
+    b1, b2, c1, c2, bc1, bc2, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay,
+                                                            step, bias_correction)
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
