@@ -1,11 +1,19 @@
 """Fused optimizer ops over low-precision state: block-scaled 8-bit or bf16 moments, bf16 params.
 
 The lean counterparts of ``multi_tensor_adam_`` and ``multi_tensor_sgd_``
-(:mod:`amp_patch.ops.optimizer_ops`): the same update rule, in the same fp32
-arithmetic, but each state tensor may be stored in a narrow *code* and each
-param may be a bf16 tensor stepped directly. One pass per element reads the
-grad, decodes the state, updates, encodes the state again and writes the param
-(and the half model copy).
+(:mod:`amp_patch.ops.optimizer_ops`): the same update rules in fp32 arithmetic,
+but each state tensor may be stored in a narrow *code* and each param may be a
+bf16 tensor stepped directly. One pass per element reads the grad, decodes the
+state, updates, encodes the state again and writes the param (and the half
+model copy).
+
+**Adam.** The moments are Apex's. The direction is the same Adam written for
+one division and one square root per element:
+``m * (1 / bc1) / (sqrt(v) * (1 / sqrt(bc2)) + eps)``, with the two reciprocals
+of the bias corrections computed in float64 and rounded to fp32 once, where
+Apex's ``(m / bc1) / (sqrt(v / bc2) + eps)`` takes three divisions. The two
+differ by rounding only (a few ulps of the update), and ``sqrt(v)`` is also the
+value the second moment's square-root code stores. SGD is Apex's rule as is.
 
 **State codes**, chosen by the dtype of each state tensor:
 
@@ -53,6 +61,7 @@ nothing at all, codes and scales included.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -61,7 +70,7 @@ from torch import Tensor
 from amp_patch.ops._library import _check_rows, _ops, register
 from amp_patch.ops.optimizer_ops import (
     _adam_constants,
-    _adam_moments,
+    _adam_new_moments,
     _check_sgd_lists,
     _commit,
     _f32,
@@ -386,6 +395,23 @@ def _scale_of(states: Sequence[Tensor], scales: Sequence[Tensor], i: int) -> Ten
 
 # --------------------------------------------------------------------------- reference bodies
 
+def _lean_corrections(b1: float, b2: float, step: int, enabled: bool) -> tuple[float, float]:
+    """``1 / bc1`` and ``1 / sqrt(bc2)``, each computed in float64 and rounded to fp32 once."""
+    if not enabled:
+        return 1.0, 1.0
+    return _f32(1.0 / (1.0 - b1 ** step)), _f32(1.0 / math.sqrt(1.0 - b2 ** step))
+
+
+def _adam_lean_direction(m: Tensor, v: Tensor, p: Tensor, inv_bc1: float, inv_sqrt_bc2: float,
+                         eps: float, wd: float, adam_w_mode: bool) -> Tensor:
+    """The lean Adam direction ``m * (1/bc1) / (sqrt(v) * (1/sqrt(bc2)) + eps)``, AdamW's decay
+    added: one division and one square root per element (see the module's "Adam")."""
+    u = (m * inv_bc1) / (_sqrt_rn(v) * inv_sqrt_bc2 + eps)
+    if adam_w_mode and wd != 0.0:
+        u = u + wd * p
+    return u
+
+
 def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales,
                    model_params, noop, inv_scale, lr, beta1, beta2, eps, weight_decay, step,
                    adam_w_mode, bias_correction, block_size, seed) -> None:
@@ -397,17 +423,18 @@ def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg
     _check_state(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
                  block_size)
     keep = _keep(noop)
-    b1, b2, c1, c2, bc1, bc2, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay,
-                                                            step, bias_correction)
+    b1, b2, c1, c2, _, _, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay, step,
+                                                        bias_correction)
+    inv_bc1, inv_sqrt_bc2 = _lean_corrections(b1, b2, step, bias_correction)
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
         p = params[i].float()
         m = decode(exp_avgs[i], _scale_of(exp_avgs, exp_avg_scales, i), block_size)
         v = decode(exp_avg_sqs[i], _scale_of(exp_avg_sqs, exp_avg_sq_scales, i), block_size)
-        m, v, u = _adam_moments(_grad32(grad, inv_scale), p, m, v, b1, b2, c1, c2, bc1, bc2, eps,
-                                wd, adam_w_mode)
-        p = p - lr * u
+        m, v = _adam_new_moments(_grad32(grad, inv_scale), p, m, v, b1, b2, c1, c2, wd,
+                                 adam_w_mode)
+        p = p - lr * _adam_lean_direction(m, v, p, inv_bc1, inv_sqrt_bc2, eps, wd, adam_w_mode)
         m_codes, m_scale = encode(m, exp_avgs[i].dtype, block_size)
         v_codes, v_scale = encode(v, exp_avg_sqs[i].dtype, block_size)
         stored = _store_param(params[i], p, seed, step, i)

@@ -132,14 +132,19 @@ def _adam_direction(m: Tensor, v: Tensor, p: Tensor | None, bc1: float, bc2: flo
     return u
 
 
+def _adam_new_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, b2: float,
+                      c1: float, c2: float, wd: float, adam_w_mode: bool) -> tuple[Tensor, Tensor]:
+    """New moments from an unscaled grad, with L2 decay outside AdamW mode (LAMB: c1 is beta3)."""
+    if not adam_w_mode and wd != 0.0:
+        g = g + wd * p  # type: ignore[operator]  # p is given whenever decay applies
+    return b1 * m.float() + c1 * g, b2 * v.float() + c2 * g * g
+
+
 def _adam_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, b2: float,
                   c1: float, c2: float, bc1: float, bc2: float, eps: float, wd: float,
                   adam_w_mode: bool) -> tuple[Tensor, Tensor, Tensor]:
     """New moments from an unscaled grad, and the direction (LAMB: c1 is beta3)."""
-    if not adam_w_mode and wd != 0.0:
-        g = g + wd * p  # type: ignore[operator]  # p is given whenever decay applies
-    m = b1 * m.float() + c1 * g
-    v = b2 * v.float() + c2 * g * g
+    m, v = _adam_new_moments(g, p, m, v, b1, b2, c1, c2, wd, adam_w_mode)
     return m, v, _adam_direction(m, v, p, bc1, bc2, eps, wd, adam_w_mode)
 
 

@@ -87,6 +87,20 @@ void adam_loop(const float* g, float* p, float* m, float* v, int64_t n,
   });
 }
 
+// The lean ops' Adam (optim_math.h's adam_lean_update) over fp32 tiles: the
+// decoded state of a tile the fused loop does not cover.
+void adam_lean_tile_loop(const float* g, float* p, float* m, float* v, int64_t n,
+                         const optim::AdamHyper& hyper) {
+  const optim::AdamHyper h = hyper;
+  for_vectors(n, [&](int64_t i, int64_t c) {
+    FVec pv = load(p + i, c), mv = load(m + i, c), vv = load(v + i, c);
+    optim::adam_lean_update(load(g + i, c), pv, mv, vv, h);
+    mv.store(m + i, c);
+    vv.store(v + i, c);
+    pv.store(p + i, c);
+  });
+}
+
 // Adam over fp32 params and moments with grads of type G, writing the updated
 // params rounded to M into the model copy (M = void: none): the one-pass O2
 // step (bf16 grads, fp32 masters, bf16 model) reads and writes each element
@@ -530,9 +544,9 @@ AMP_LEAN_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec
 
 // Adam over a chunk in one pass per block: grads of type G and params of type
 // P (float or BFloat16) read and written in registers, the moments decoded in
-// registers, updated by adam_loop's rule, and the block-scaled ones kept in an
+// registers, updated by adam_lean_tile_loop's rule, and the block-scaled ones kept in an
 // fp32 tile until the block's scale is known. The bits are those of the
-// decode / adam_loop / encode / stochastic_bf16 loops run one after another.
+// decode / adam_lean_tile / encode / stochastic_bf16 loops run one after another.
 // Blocks must be whole kBlock groups except the last of a row (block_size a
 // multiple of 32). p_out (may be null) receives the updated fp32 params.
 template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
@@ -564,10 +578,9 @@ void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_sca
       decode_vectors<MC>(m_codes, at, c, fm, mv[0], mv[1]);
       decode_vectors<VC>(v_codes, at, c, fv, vv[0], vv[1]);
       for (int k = 0; k < 2; ++k) {
-        optim::adam_update_moments(gv[k], pv[k], mv[k], vv[k], h);
-        optim::adam_update_param(pv[k], mv[k], vv[k], h);
+        const FVec r = optim::adam_lean_update(gv[k], pv[k], mv[k], vv[k], h);
         if constexpr (VC == optim::StateCode::kSqrtU8) {
-          vv[k] = vv[k].sqrt();
+          vv[k] = r;  // the square-root code stores sqrt(v)
         }
       }
       keep_vectors<MC>(m_codes, mt, at, i, c, mv[0], mv[1], am);
@@ -598,7 +611,7 @@ void fill_adam_lean(OptimTable& t) {
                                      optim::StateCode::kE4M3};
   constexpr int gi = std::is_same_v<G, float> ? kF32 : (std::is_same_v<G, c10::Half> ? kF16 : kBF16);
   constexpr int pi = std::is_same_v<P, float> ? 0 : 1;
-  t.adam_lean[gi][pi][MI][VI] = &adam_lean_loop<G, P, kM[MI], kV[VI]>;
+  t.adam_lean_fused[gi][pi][MI][VI] = &adam_lean_loop<G, P, kM[MI], kV[VI]>;
 }
 
 template <typename G, typename P>
@@ -618,6 +631,7 @@ OptimTable optim_table() {
   using optim::StateCode;
   // By position: the members of OptimTable in order; the codes in StateCode's order.
   OptimTable t{&adam_loop,
+               &adam_lean_tile_loop,
                &sgd_loop,
                &adagrad_loop,
                &novograd_loop,

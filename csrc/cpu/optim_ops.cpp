@@ -499,7 +499,7 @@ inline AdamLeanLoop fused_adam_lean(const OptimTable& k, const LeanTensor<S>& t,
   if (block_size % kLeanFusedAlign != 0 || mi < 0 || vi < 0 || pi < 0 || t.g_dt > kBF16) {
     return nullptr;
   }
-  return k.adam_lean[t.g_dt][pi][mi][vi];
+  return k.adam_lean_fused[t.g_dt][pi][mi][vi];
 }
 
 // The model copy of a chunk: the param as stored (a bf16 master's own bits,
@@ -613,7 +613,7 @@ struct CpuBackend {
       float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
       float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
       float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
-      k.adam(g, p, m, v, n, h);
+      k.adam_lean(g, p, m, v, n, h);
       lean_encode(k, t, 0, ch, m, bs);
       lean_encode(k, t, 1, ch, v, bs);
       lean_store_param(k, conv, t, ch, p);

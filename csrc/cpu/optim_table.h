@@ -66,6 +66,7 @@ constexpr int64_t kLeanFusedAlign = 32;
 
 struct OptimTable {
   AdamLoop adam;
+  AdamLoop adam_lean;  // the lean ops' rule (optim_math.h's adam_lean_update)
   SgdLoop sgd;
   AdagradLoop adagrad;
   NovoGradLoop novograd;
@@ -79,7 +80,7 @@ struct OptimTable {
   AdamMixedLoop adam_mixed[kNumDt][kNumDt + 1];
   // [grad dtype: kF32, kF16, kBF16][param: fp32, bf16][m: bf16, int8, e4m3]
   // [v: bf16, uint8, e4m3]; null elsewhere (the tiles of optim_ops.cpp serve).
-  AdamLeanLoop adam_lean[3][2][3][3];
+  AdamLeanLoop adam_lean_fused[3][2][3][3];
 };
 
 // One table per instruction set; the AVX ones exist on x86 only.

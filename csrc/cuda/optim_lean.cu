@@ -158,7 +158,7 @@ struct LeanLaunch {
 
 // ------------------------------------------------------------------ update rules
 
-// Adam: state 0 exp_avg, state 1 exp_avg_sq.
+// Adam (optim_math.h's adam_lean_update): state 0 exp_avg, state 1 exp_avg_sq.
 struct AdamLeanRule {
   using Hyper = optim::AdamHyper;
   static constexpr int kStates = 2;
@@ -166,7 +166,7 @@ struct AdamLeanRule {
   __device__ static bool writes_state(const Hyper&) { return true; }
   __device__ static void step(float g, float& p, float (&s)[kStates], const Hyper& h) {
     RnFloat pp = p, m = s[0], v = s[1];
-    optim::adam_update<RnFloat>(g, pp, m, v, h);
+    optim::adam_lean_update<RnFloat>(g, pp, m, v, h);
     p = pp.v;
     s[0] = m.v;
     s[1] = v.v;
