@@ -216,14 +216,6 @@ void lamb_apply_loop(float* p, const float* m, const float* v, int64_t n, float 
 // reference in amp_patch/ops/lean_state_ops.py). Each loop covers n elements
 // of one row from a block boundary; block b of them has scales[b].
 
-// The per-vector helpers of the fused loop must inline into it (as calls they
-// pass their vectors through memory).
-#if defined(__GNUC__)
-#define AMP_LEAN_INLINE inline __attribute__((always_inline))
-#else
-#define AMP_LEAN_INLINE inline
-#endif
-
 // The first n (<= 16) lanes of an AVX-512 vector.
 #if defined(CPU_CAPABILITY_AVX512)
 inline __mmask16 lane_mask(int64_t n) {
@@ -259,6 +251,118 @@ void bf16_encode(float* x, void* codes, float*, int64_t n, int64_t) {
 template <optim::StateCode C>
 using CodeType = std::conditional_t<C == optim::StateCode::kInt8, int8_t, uint8_t>;
 
+#if defined(CPU_CAPABILITY_AVX512)
+// float8_e4m3fn codes <-> fp32 for 16 lanes, bit for bit c10's scalar
+// conversions (fp8e4m3fn_to_fp32_value / fp8e4m3fn_from_fp32_value, whose
+// steps are named below), which the reference's .to() runs.
+AMP_CPU_INLINE __m512 e4m3_to_float(const __m128i bytes) {
+  const __m512i x = _mm512_cvtepu8_epi32(bytes);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
+  // Normal: the exponent rebased by 127 - 7 and the 3 mantissa bits moved up;
+  // 0x7F (NaN) gets the all-ones exponent on top, as inf_nan_mask does.
+  __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+  bits = _mm512_mask_or_epi32(bits, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), bits,
+                              _mm512_set1_epi32(0x7F800000));
+  // Zero and subnormal (exponent 0): m * 2^-9, exact (the renormalising shift).
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)),
+                               _mm512_castps_si512(sub));
+  return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+}
+
+// The e4m3 code of each lane (in its low byte).
+AMP_CPU_INLINE __m512i e4m3_codes(const __m512 y) {
+  const __m512i f_bits = _mm512_castps_si512(y);
+  const __m512i sign = _mm512_and_si512(f_bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(f_bits, sign);
+  // Normal: round to nearest even by adding 0x7FFFF plus the lowest kept bit, rebase the exponent.
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  __m512i code = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(0xC407FFFFu))), odd),
+      20);
+  // Subnormal (below 2^-6): added to 2^14 in fp32, the rounding done by the addition.
+  const __m512i denorm = _mm512_set1_epi32(141 << 23);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))),
+      denorm);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)), sub);
+  // At or above 480 (fp8_max): 0x7E (448, saturated) when finite or inf, 0x7F for NaN.
+  const __m512i over = _mm512_mask_mov_epi32(
+      _mm512_set1_epi32(0x7E), _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
+      _mm512_set1_epi32(0x7F));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(1087 << 20)),
+                               over);
+  return _mm512_or_si512(_mm512_and_si512(code, _mm512_set1_epi32(0xFF)),
+                         _mm512_srli_epi32(sign, 24));
+}
+
+// The fp32 values of 16 codes (before the block's decode factor).
+template <optim::StateCode C>
+AMP_CPU_INLINE __m512 code_values(const __m128i bytes) {
+  if constexpr (C == optim::StateCode::kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  } else if constexpr (C == optim::StateCode::kSqrtU8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+  } else {
+    return e4m3_to_float(bytes);
+  }
+}
+
+// The codes of 16 values of a block whose encode factor f is finite and
+// non-zero, one per int32 lane (int8: the signed value; uint8 and e4m3: the
+// byte, 0-255). Every value is then finite (|x| <= s), and so is x * f. For the
+// integer codes, converting with round-to-nearest-even, then clamping the
+// integers, is rne and clamp in fp32; |x| <= s, so |x * f| rounds to at most
+// the largest code, and only the uint8 code's floor of 1 needs a clamp (the
+// int8 code is -127 at its lowest).
+template <optim::StateCode C>
+AMP_CPU_INLINE __m512i lane_codes(const __m512 x, const __m512 f) {
+  const __m512 y = _mm512_mul_ps(x, f);
+  if constexpr (C == optim::StateCode::kE4M3) {
+    return e4m3_codes(y);
+  } else {
+    const __m512i q = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return C == optim::StateCode::kInt8 ? q : _mm512_max_epi32(q, _mm512_set1_epi32(1));
+  }
+}
+
+// Two in-lane packs of four vectors of lane_codes (exact: every code is in
+// range), leaving lane k with q0[4k..4k+3], q1[4k..], q2[4k..], q3[4k..].
+template <optim::StateCode C>
+AMP_CPU_INLINE __m512i pack_codes(const __m512i q0, const __m512i q1, const __m512i q2,
+                                  const __m512i q3) {
+  if constexpr (C == optim::StateCode::kInt8) {
+    return _mm512_packs_epi16(_mm512_packs_epi32(q0, q1), _mm512_packs_epi32(q2, q3));
+  } else {
+    return _mm512_packus_epi16(_mm512_packus_epi32(q0, q1), _mm512_packus_epi32(q2, q3));
+  }
+}
+
+// The permutation that puts pack_codes' dwords in order.
+AMP_CPU_INLINE __m512i pack_order() {
+  return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+// Stores the codes of `count` (<= kBlock) values x of such a block.
+template <optim::StateCode C>
+AMP_CPU_INLINE void store_codes(const float* x, CodeType<C>* out, int64_t count, const __m512 f) {
+  if (count == kBlock) {
+    const __m512i q0 = lane_codes<C>(_mm512_loadu_ps(x), f);
+    const __m512i q1 = lane_codes<C>(_mm512_loadu_ps(x + 16), f);
+    const __m512i bytes = _mm512_permutexvar_epi32(pack_order(), pack_codes<C>(q0, q1, q0, q1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_castsi512_si256(bytes));
+    return;
+  }
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 m = lane_mask(count - i);
+    const __m512i q = lane_codes<C>(_mm512_maskz_loadu_ps(m, x + i), f);
+    _mm_mask_storeu_epi8(out + i, m, C == optim::StateCode::kInt8 ? _mm512_cvtsepi32_epi8(q)
+                                                                 : _mm512_cvtusepi32_epi8(q));
+  }
+}
+#endif
+
 // q * (s / max), one fp32 division per block; the square-root code squares it.
 template <optim::StateCode C>
 void scaled_decode(const void* codes, const float* scales, float* out, int64_t n,
@@ -269,6 +373,17 @@ void scaled_decode(const void* codes, const float* scales, float* out, int64_t n
     const float f = scales[b] / top;
     const CodeType<C>* cb = c + j;
     float* ob = out + j;
+#if defined(CPU_CAPABILITY_AVX512)
+    for (int64_t k = 0; k < len; k += 16) {
+      const __mmask16 m = lane_mask(len - k);
+      __m512 x = _mm512_mul_ps(code_values<C>(_mm_maskz_loadu_epi8(m, cb + k)), _mm512_set1_ps(f));
+      if constexpr (C == optim::StateCode::kSqrtU8) {
+        x = _mm512_mul_ps(x, x);
+      }
+      _mm512_mask_storeu_ps(ob + k, m, x);
+    }
+    return;
+#endif
     if constexpr (C == optim::StateCode::kE4M3) {
       for (int64_t k = 0; k < len; ++k) {
         ob[k] = static_cast<float>(c10::Float8_e4m3fn(cb[k], c10::Float8_e4m3fn::from_bits())) * f;
@@ -301,6 +416,7 @@ inline float block_absmax(const float* x, int64_t len) {
   return m;
 }
 
+
 // Stores the block x (len values; sqrt(x) already for the square-root code)
 // whose largest magnitude is s: factor = max / s; a block whose factor or s is
 // not finite stores codes 0. The integer codes are rne(x * factor) clamped, a NaN
@@ -316,30 +432,19 @@ inline void quantise_block(float* x, CodeType<C>* out, int64_t len, float s) {
     return;
   }
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (C != optim::StateCode::kE4M3) {
-    // A finite non-zero factor: every x is finite (|x| <= s), so is x * factor,
-    // and converting with round-to-nearest-even then clamping the integers is
-    // rne and clamp in fp32.
-    if (factor != 0.0f) {
-      const __m512 f = _mm512_set1_ps(factor);
-      const __m512i lo = _mm512_set1_epi32(C == optim::StateCode::kInt8 ? -127 : 1);
-      // Clamped below, then narrowed with saturation above (top is the type's largest).
-      auto code = [&](const __m512 xv) {
-        const __m512 y = _mm512_mul_ps(xv, f);
-        const __m512i q = _mm512_max_epi32(
-            _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo);
-        return C == optim::StateCode::kInt8 ? _mm512_cvtsepi32_epi8(q) : _mm512_cvtusepi32_epi8(q);
-      };
-      int64_t i = 0;
-      for (; i + 16 <= len; i += 16) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), code(_mm512_loadu_ps(x + i)));
-      }
-      if (i < len) {
-        const __mmask16 m = lane_mask(len - i);
-        _mm_mask_storeu_epi8(out + i, m, code(_mm512_maskz_loadu_ps(m, x + i)));
-      }
-      return;
+  if (factor != 0.0f) {
+    const __m512 f = _mm512_set1_ps(factor);
+    int64_t i = 0;
+    for (; i + 64 <= len; i += 64) {  // 64 codes per round
+      const __m512i packed = pack_codes<C>(
+          lane_codes<C>(_mm512_loadu_ps(x + i), f), lane_codes<C>(_mm512_loadu_ps(x + i + 16), f),
+          lane_codes<C>(_mm512_loadu_ps(x + i + 32), f), lane_codes<C>(_mm512_loadu_ps(x + i + 48), f));
+      _mm512_storeu_si512(out + i, _mm512_permutexvar_epi32(pack_order(), packed));
     }
+    for (; i < len; i += kBlock) {
+      store_codes<C>(x + i, out + i, std::min<int64_t>(kBlock, len - i), f);
+    }
+    return;
   }
 #endif
   const FVec fv(factor);
@@ -392,6 +497,37 @@ void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, in
   }
 }
 
+// Folds the magnitudes of the first `count` (<= kBlock) lanes of lo, hi into
+// amax, a running largest magnitude that magnitude_max() reads; a NaN sticks.
+// AVX-512: an integer maximum of the fp32 bit patterns with the sign cleared,
+// which orders magnitudes as floats do and puts NaN above inf, in two
+// instructions per vector (at::vec::maximum's NaN-propagating float maximum
+// takes three, after the abs).
+AMP_CPU_INLINE void fold_magnitudes(FVec& amax, const FVec& lo, const FVec& hi, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  const __m512i a = _mm512_castps_si512(__m512(amax));
+  const __m512i l = _mm512_castps_si512(__m512(lo)), h = _mm512_castps_si512(__m512(hi));
+  __m512i m;
+  if (count == kBlock) {
+    m = _mm512_max_epi32(a, _mm512_max_epi32(_mm512_and_si512(l, magnitude),
+                                             _mm512_and_si512(h, magnitude)));
+  } else {
+    m = _mm512_max_epi32(a, _mm512_maskz_and_epi32(lane_mask(count), l, magnitude));
+    m = _mm512_max_epi32(m, _mm512_maskz_and_epi32(lane_mask(count - kW), h, magnitude));
+  }
+  amax = FVec(_mm512_castsi512_ps(m));
+#else
+  if (count == kBlock) {
+    amax = at::vec::maximum(amax, at::vec::maximum(lo.abs(), hi.abs()));
+  } else {
+    const int64_t c0 = std::min<int64_t>(count, kW), c1 = count - c0;
+    amax = at::vec::maximum(amax, FVec::set(FVec(0.0f), lo.abs(), c0));
+    amax = at::vec::maximum(amax, FVec::set(FVec(0.0f), hi.abs(), c1));
+  }
+#endif
+}
+
 // The largest lane of a vector of magnitudes, NaN when any lane is NaN.
 inline float lanes_max(const FVec& acc) {
   float lanes[FVec::size()];
@@ -403,11 +539,23 @@ inline float lanes_max(const FVec& acc) {
   return m;
 }
 
+// The largest magnitude folded into amax by fold_magnitudes, NaN when any was NaN.
+inline float magnitude_max(const FVec& amax) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const int32_t bits = _mm512_reduce_max_epi32(_mm512_castps_si512(__m512(amax)));
+  float m;
+  std::memcpy(&m, &bits, sizeof(m));
+  return m;
+#else
+  return lanes_max(amax);
+#endif
+}
+
 // Reads `count` (<= kBlock) values of state code C at element `at` as two fp32
 // vectors: the codes times the block's decode factor f (squared for the
 // square-root code), or the bf16 / fp32 state itself. Lanes past count are 0.
 template <optim::StateCode C>
-AMP_LEAN_INLINE void decode_vectors(const void* codes, int64_t at, int64_t count, const FVec& f, FVec& lo,
+AMP_CPU_INLINE void decode_vectors(const void* codes, int64_t at, int64_t count, const FVec& f, FVec& lo,
                            FVec& hi) {
   using optim::StateCode;
   if constexpr (C == StateCode::kBF16) {
@@ -417,13 +565,15 @@ AMP_LEAN_INLINE void decode_vectors(const void* codes, int64_t at, int64_t count
   } else {
     const CodeType<C>* q = static_cast<const CodeType<C>*>(codes) + at;
 #if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (C != StateCode::kE4M3) {
+    {
       static_assert(kW == 16, "AVX-512 holds 16 floats");
-      const __m128i b0 = _mm_maskz_loadu_epi8(lane_mask(count), q);
-      const __m128i b1 = _mm_maskz_loadu_epi8(lane_mask(count - 16), q + 16);
-      const bool s8 = C == StateCode::kInt8;
-      lo = FVec(_mm512_cvtepi32_ps(s8 ? _mm512_cvtepi8_epi32(b0) : _mm512_cvtepu8_epi32(b0))) * f;
-      hi = FVec(_mm512_cvtepi32_ps(s8 ? _mm512_cvtepi8_epi32(b1) : _mm512_cvtepu8_epi32(b1))) * f;
+      const bool whole = count == kBlock;
+      const __m128i b0 = whole ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(q))
+                               : _mm_maskz_loadu_epi8(lane_mask(count), q);
+      const __m128i b1 = whole ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))
+                               : _mm_maskz_loadu_epi8(lane_mask(count - 16), q + 16);
+      lo = FVec(code_values<C>(b0)) * f;
+      hi = FVec(code_values<C>(b1)) * f;
       if constexpr (C == StateCode::kSqrtU8) {
         lo = lo * lo;
         hi = hi * hi;
@@ -462,7 +612,7 @@ AMP_LEAN_INLINE void decode_vectors(const void* codes, int64_t at, int64_t count
 // the block's fp32 tile (quantised once the block is done), tracking the
 // largest magnitude of the lanes written.
 template <optim::StateCode C>
-AMP_LEAN_INLINE void keep_vectors(void* codes, float* tile, int64_t at, int64_t tile_at, int64_t count,
+AMP_CPU_INLINE void keep_vectors(void* codes, float* tile, int64_t at, int64_t tile_at, int64_t count,
                          const FVec& lo, const FVec& hi, FVec& amax) {
   using optim::StateCode;
   if constexpr (C == StateCode::kBF16) {
@@ -471,54 +621,66 @@ AMP_LEAN_INLINE void keep_vectors(void* codes, float* tile, int64_t at, int64_t 
     store_block(static_cast<float*>(codes) + at, count, lo, hi);
   } else {
     store_block(tile + tile_at, count, lo, hi);
-    if (count == kBlock) {
-      amax = at::vec::maximum(amax, at::vec::maximum(lo.abs(), hi.abs()));
-    } else {
-      const int64_t c0 = std::min<int64_t>(count, kW), c1 = count - c0;
-      amax = at::vec::maximum(amax, FVec::set(FVec(0.0f), lo.abs(), c0));
-      amax = at::vec::maximum(amax, FVec::set(FVec(0.0f), hi.abs(), c1));
-    }
+    fold_magnitudes(amax, lo, hi, count);
   }
 }
 
 // `count` params from two fp32 vectors: fp32 as they are, bf16 stochastically
 // rounded with the bits of elements e .. e + count (see stochastic_bf16_loop).
 template <typename P>
-AMP_LEAN_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec& hi, uint32_t key,
+AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec& hi, uint32_t key,
                         uint32_t e) {
   if constexpr (std::is_same_v<P, float>) {
     store_block(p, count, lo, hi);
   } else {
 #if defined(CPU_CAPABILITY_AVX512)
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i k0 = _mm512_set1_epi32(static_cast<int>(optim::kHashK0));
+    // fmix32(key ^ (e * K0)) >> 16 per lane: e * K0 is the scalar (e0 * K0) plus
+    // lane * K0 (mod 2^32), and fmix32's last step (x ^= x >> 16) leaves the
+    // top 16 bits alone, so it is left out.
+    const __m512i lane_k0 = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(static_cast<int>(optim::kHashK0)));
     const __m512i k1 = _mm512_set1_epi32(static_cast<int>(optim::kHashK1));
     const __m512i k2 = _mm512_set1_epi32(static_cast<int>(optim::kHashK2));
-    const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
-    for (int half = 0; half < 2; ++half) {
-      const __m512i u = _mm512_castps_si512(half == 0 ? __m512(lo) : __m512(hi));
-      const __m512i idx =
-          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(e + 16u * half)), iota);
-      __m512i x = _mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(key)),
-                                   _mm512_mullo_epi32(idx, k0));
+    auto bits = [&](uint32_t first) {
+      __m512i x = _mm512_xor_si512(
+          _mm512_set1_epi32(static_cast<int>(key)),
+          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first * optim::kHashK0)), lane_k0));
       x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
       x = _mm512_mullo_epi32(x, k1);
       x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
       x = _mm512_mullo_epi32(x, k2);
-      x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(x, 16)), 16);
-      const __mmask16 finite =
-          _mm512_cmpneq_epi32_mask(_mm512_and_si512(u, exp_mask), exp_mask);
-      const __mmask16 nan_bits = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x7FFFFF));
-      const __m512i high = _mm512_srli_epi32(u, 16);
-      const __m512i nearest = _mm512_mask_or_epi32(high, nan_bits, high, _mm512_set1_epi32(0x40));
-      const __m256i out = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(finite, nearest, rounded));
-      uint16_t* dst = reinterpret_cast<uint16_t*>(p) + 16 * half;
-      if (count == kBlock) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), out);
-      } else {
-        _mm256_mask_storeu_epi16(dst, lane_mask(count - 16 * half), out);
-      }
+      return _mm512_srli_epi32(x, 16);
+    };
+    const __m512i u0 = _mm512_castps_si512(__m512(lo)), u1 = _mm512_castps_si512(__m512(hi));
+    const __m512i sum0 = _mm512_add_epi32(u0, bits(e)), sum1 = _mm512_add_epi32(u1, bits(e + 16u));
+    const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
+    const __mmask16 finite0 = _mm512_cmpneq_epi32_mask(_mm512_and_si512(u0, exp_mask), exp_mask);
+    const __mmask16 finite1 = _mm512_cmpneq_epi32_mask(_mm512_and_si512(u1, exp_mask), exp_mask);
+    __m512i out;
+    if ((finite0 & finite1) == 0xFFFF) {
+      // The high halves of the 32 sums, in order, in one permutation.
+      const __m512i high_words = _mm512_set_epi16(
+          63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+          31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+      out = _mm512_permutex2var_epi16(sum0, high_words, sum1);
+    } else {
+      // A non-finite value rounds to nearest: its high half, a NaN kept quiet.
+      auto half = [&](const __m512i u, const __m512i sum, const __mmask16 finite) {
+        const __mmask16 nan_bits = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x7FFFFF));
+        const __m512i high = _mm512_srli_epi32(u, 16);
+        const __m512i nearest = _mm512_mask_or_epi32(high, nan_bits, high, _mm512_set1_epi32(0x40));
+        return _mm512_cvtepi32_epi16(
+            _mm512_mask_blend_epi32(finite, nearest, _mm512_srli_epi32(sum, 16)));
+      };
+      out = _mm512_inserti64x4(_mm512_castsi256_si512(half(u0, sum0, finite0)),
+                               half(u1, sum1, finite1), 1);
+    }
+    uint16_t* dst = reinterpret_cast<uint16_t*>(p);
+    if (count == kBlock) {
+      _mm512_storeu_si512(dst, out);
+    } else {
+      _mm512_mask_storeu_epi16(dst, static_cast<__mmask32>((uint64_t{1} << count) - 1u), out);
     }
     return;
 #endif
@@ -542,25 +704,90 @@ AMP_LEAN_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec
   }
 }
 
+// Whether the fused loop writes state code C's codes a block late (see adam_lean_loop).
+template <optim::StateCode C>
+constexpr bool kLateCodes =
+#if defined(CPU_CAPABILITY_AVX512)
+    optim::block_scaled(C);
+#else
+    false;
+#endif
+
+// A block whose codes are still to be written from its fp32 tile; len 0: none.
+struct LateCodes {
+  const float* x = nullptr;
+  void* out = nullptr;
+  int64_t len = 0;
+  float factor = 0.0f;  // finite and non-zero
+};
+
+// Writes the codes of the late block's values [from, to) (to <= its len).
+template <optim::StateCode C>
+AMP_CPU_INLINE void write_late_codes(const LateCodes& late, int64_t from, int64_t to) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (kLateCodes<C>) {
+    const __m512 f = _mm512_set1_ps(late.factor);
+    for (int64_t i = from; i < to; i += kBlock) {
+      store_codes<C>(late.x + i, static_cast<CodeType<C>*>(late.out) + i,
+                             std::min<int64_t>(kBlock, to - i), f);
+    }
+  }
+#endif
+}
+
+// The block of len values in tile x (sqrt taken for the square-root code), with
+// largest magnitude s, done: its scale stored, and its codes written now, or
+// handed on in `late` (a block whose factor or s is not finite stores codes 0
+// at once, as quantise_block does).
+template <optim::StateCode C>
+AMP_CPU_INLINE void finish_block(float* x, void* codes, float* scale, int64_t len, float s,
+                                 LateCodes& late) {
+  *scale = s;
+  if constexpr (kLateCodes<C>) {
+    const float factor = optim::code_max(C) / s;
+    if (std::isfinite(factor) && std::isfinite(s)) {
+      late = {x, codes, len, factor};
+    } else {
+      std::memset(codes, 0, len);
+      late = {};
+    }
+  } else {
+    quantise_block<C>(x, static_cast<CodeType<C>*>(codes), len, s);
+  }
+}
+
 // Adam over a chunk in one pass per block: grads of type G and params of type
 // P (float or BFloat16) read and written in registers, the moments decoded in
-// registers, updated by adam_lean_tile_loop's rule, and the block-scaled ones kept in an
-// fp32 tile until the block's scale is known. The bits are those of the
-// decode / adam_lean_tile / encode / stochastic_bf16 loops run one after another.
-// Blocks must be whole kBlock groups except the last of a row (block_size a
-// multiple of 32). p_out (may be null) receives the updated fp32 params.
+// registers, updated by adam_lean_tile_loop's rule, and the block-scaled ones
+// kept in an fp32 tile until the block's scale is known. The bits are those of
+// the decode / adam_lean_tile / encode / stochastic_bf16 loops run one after
+// another. Blocks must be whole kBlock groups except the last of a row
+// (block_size a multiple of 32). p_out (may be null) receives the updated fp32
+// params; each tile holds n values.
+//
+// The update's square root and division are long-latency operations on one
+// unit; the integer codes (AVX-512) are written a block late, 32 values per
+// step of the next block's loop, so that this work fills the time spent
+// waiting on them rather than following it (the int8 step took 1.3x the bf16
+// one when each block was coded after its loop).
 template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
 void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_scales,
                     void* v_codes, float* v_scales, float* p_out, float* tiles, int64_t tile,
                     int64_t n, int64_t block_size, uint32_t key, int64_t e0,
                     const optim::AdamHyper& hyper) {
+  // A plain loop over the blocks (for_code_blocks' lambda is not inlined, and
+  // behind its reference every float store could alias h's fields, which were
+  // then reloaded and re-tested for each vector).
   const optim::AdamHyper h = hyper;
   const G* g = static_cast<const G*>(grads);
   P* p = static_cast<P*>(params);
   float* mt = tiles;
   float* vt = tiles + tile;
   const uint32_t e_first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
-  for_code_blocks(n, block_size, [&](int64_t b, int64_t j, int64_t len) {
+  LateCodes late_m, late_v;  // the previous block's
+  int64_t b = 0;
+  for (int64_t j = 0; j < n; j += block_size, ++b) {
+    const int64_t len = std::min(block_size, n - j);
     const FVec fm(optim::block_scaled(MC) ? m_scales[b] / optim::code_max(MC) : 1.0f);
     const FVec fv(optim::block_scaled(VC) ? v_scales[b] / optim::code_max(VC) : 1.0f);
     FVec am(0.0f), av(0.0f);
@@ -583,24 +810,35 @@ void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_sca
           vv[k] = r;  // the square-root code stores sqrt(v)
         }
       }
-      keep_vectors<MC>(m_codes, mt, at, i, c, mv[0], mv[1], am);
-      keep_vectors<VC>(v_codes, vt, at, i, c, vv[0], vv[1], av);
+      keep_vectors<MC>(m_codes, mt, at, at, c, mv[0], mv[1], am);
+      keep_vectors<VC>(v_codes, vt, at, at, c, vv[0], vv[1], av);
       if (p_out != nullptr) {
         store_block(p_out + at, c, pv[0], pv[1]);
       }
       store_param(p + at, c, pv[0], pv[1], key, e_first + static_cast<uint32_t>(at));
+      if (i < late_m.len) {
+        write_late_codes<MC>(late_m, i, std::min(i + kBlock, late_m.len));
+      }
+      if (i < late_v.len) {
+        write_late_codes<VC>(late_v, i, std::min(i + kBlock, late_v.len));
+      }
     }
+    // What of the previous block this (shorter, a row's last) block did not cover.
+    write_late_codes<MC>(late_m, std::min(len, late_m.len), late_m.len);
+    write_late_codes<VC>(late_v, std::min(len, late_v.len), late_v.len);
+    late_m = {};
+    late_v = {};
     if constexpr (optim::block_scaled(MC)) {
-      const float s = lanes_max(am);
-      m_scales[b] = s;
-      quantise_block<MC>(mt, static_cast<CodeType<MC>*>(m_codes) + j, len, s);
+      finish_block<MC>(mt + j, static_cast<CodeType<MC>*>(m_codes) + j, m_scales + b, len,
+                       magnitude_max(am), late_m);
     }
     if constexpr (optim::block_scaled(VC)) {
-      const float s = lanes_max(av);
-      v_scales[b] = s;
-      quantise_block<VC>(vt, static_cast<CodeType<VC>*>(v_codes) + j, len, s);
+      finish_block<VC>(vt + j, static_cast<CodeType<VC>*>(v_codes) + j, v_scales + b, len,
+                       magnitude_max(av), late_v);
     }
-  });
+  }
+  write_late_codes<MC>(late_m, 0, late_m.len);
+  write_late_codes<VC>(late_v, 0, late_v.len);
 }
 
 template <typename G, typename P, int MI, int VI>

@@ -38,6 +38,14 @@
 namespace amp_patch::cpu {
 namespace CPU_CAPABILITY {
 
+// For the per-vector helpers of the hot loops: as calls, they would pass their
+// vectors through memory (and make the compiler reload what they might alias).
+#if defined(__GNUC__)
+#define AMP_CPU_INLINE inline __attribute__((always_inline))
+#else
+#define AMP_CPU_INLINE inline
+#endif
+
 using Vec = at::vec::Vectorized<float>;
 // A block is what one Vectorized of a 16-bit type holds: two float vectors.
 constexpr int64_t kW = Vec::size();
@@ -50,28 +58,28 @@ template <typename T>
 struct Block {
   static_assert(at::vec::Vectorized<T>::size() == kBlock, "16-bit vector must hold two float vectors");
 
-  static void load(const T* p, Vec& lo, Vec& hi) {
+  AMP_CPU_INLINE static void load(const T* p, Vec& lo, Vec& hi) {
     std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
   }
-  static void store(T* p, const Vec& lo, const Vec& hi) {
+  AMP_CPU_INLINE static void store(T* p, const Vec& lo, const Vec& hi) {
     at::vec::convert_from_float<T>(lo, hi).store(p);
   }
 };
 
 template <>
 struct Block<float> {
-  static void load(const float* p, Vec& lo, Vec& hi) {
+  AMP_CPU_INLINE static void load(const float* p, Vec& lo, Vec& hi) {
     lo = Vec::loadu(p);
     hi = Vec::loadu(p + kW);
   }
-  static void store(float* p, const Vec& lo, const Vec& hi) {
+  AMP_CPU_INLINE static void store(float* p, const Vec& lo, const Vec& hi) {
     lo.store(p);
     hi.store(p + kW);
   }
 };
 
 template <typename T>
-inline void load_block(const T* p, int64_t n, Vec& lo, Vec& hi) {
+AMP_CPU_INLINE void load_block(const T* p, int64_t n, Vec& lo, Vec& hi) {
   if (n == kBlock) {
     Block<T>::load(p, lo, hi);
     return;
@@ -83,7 +91,7 @@ inline void load_block(const T* p, int64_t n, Vec& lo, Vec& hi) {
 }
 
 template <typename T>
-inline void store_block(T* p, int64_t n, const Vec& lo, const Vec& hi) {
+AMP_CPU_INLINE void store_block(T* p, int64_t n, const Vec& lo, const Vec& hi) {
   if (n == kBlock) {
     Block<T>::store(p, lo, hi);
     return;

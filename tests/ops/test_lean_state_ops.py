@@ -287,6 +287,23 @@ def test_zero_and_tiny_blocks(device, codes):
 # ------------------------------------------------------------ noop, threads, layouts
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("param_dtype", [F32, BF16])
+def test_every_e4m3_code_like_reference(device, param_dtype):
+    """Every finite e4m3 code (subnormals and both zeros among them) decodes, and the new values,
+    down to the subnormal range, encode as torch's conversion does: the fused loop and the tiles."""
+    codes = torch.arange(256, dtype=torch.int64)
+    codes = codes[(codes & 0x7F) != 0x7F].to(U8).view(E4M3).reshape(2, 127)
+    gen = torch.Generator().manual_seed(5)
+    for block_size in (127, 32):  # a block per row (the tiles), blocks of 32 (the fused loop)
+        name, args = _adam_args(E4M3, BF16, param_dtype, [BF16], block_size,
+                                [((2, 127), "contiguous")], seed=9)
+        args[0][0] = (torch.randn(2, 127, generator=gen) * 1e-6).to(BF16)  # small grads
+        args[2][0] = codes.clone()
+        args[3][0] = torch.rand(args[3][0].shape, generator=gen) + 0.5
+        _check(name, _to(args, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("flag_dtype", [torch.float32, torch.int32])
 def test_noop_writes_nothing(device, flag_dtype):
     for build in (_adam_args, _sgd_args):
@@ -364,6 +381,27 @@ def test_random_cases_match_reference(rows, cols, one_d, block_size, m_code, v_c
     shapes = [(shape, "contiguous"), ((cols,), "contiguous")]
     _check(*_adam_args(m_code, v_code, param_dtype, [grad_dtype], block_size, shapes, seed=seed))
     _check(*_sgd_args(m_code, param_dtype, [grad_dtype], block_size, shapes, seed=seed))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(1, 4), cols=st.integers(1, 2100),
+    block_size=st.sampled_from([32, 64, 96, 256, 512]),
+    codes=st.sampled_from([(I8, U8), (I8, BF16), (BF16, U8)]),
+    param_dtype=st.sampled_from(PARAM_DTYPES),
+    bad=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(NONFINITE)),
+                 max_size=3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fused_adam_blocks_match_reference(rows, cols, block_size, codes, param_dtype, bad, seed):
+    """The fused CPU loop codes each block during the next one's steps: rows of several blocks
+    with a short last one, and non-finite values in any block, still match the reference."""
+    shapes = [((rows, cols), "contiguous")]
+    name, args = _adam_args(codes[0], codes[1], param_dtype, [BF16], block_size, shapes, seed=seed)
+    grad = args[0][0].view(-1)
+    for where, value in bad:
+        grad[int(where * grad.numel())] = value
+    _check(name, args)
 
 
 # ------------------------------------------------------------ errors
