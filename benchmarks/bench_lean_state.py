@@ -172,8 +172,8 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[str, LevelRecord],
-           rounds: int, steps: int, warmup: int, load: LoadMonitor) -> str:
-    """The markdown section."""
+           rounds: int, steps: int, warmup: int, load: LoadMonitor, pinned: bool = False) -> str:
+    """The markdown section (``pinned``: the rows ran with ``--threads``)."""
     peak = {n: max(r.round_peak_bytes, default=None) if r.ok else None
             for n, r in records.items()}
     opt = {n: _median(r.optimizer_step_seconds) if r.ok else None for n, r in records.items()}
@@ -213,7 +213,8 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
     failed = [f"{n}: {records[n].error}" for n in names if not records[n].ok]
     threads = next((r.threads for r in records.values() if r.threads), None)
     parts = [
-        "## Lean optimizer state: the benchmark LM at O2 (lean-state)",
+        "## Lean optimizer state: the benchmark LM at O2 (lean-state"
+        f"{f'-{threads}t' if pinned else ''})",
         "",
         f"{common.machine()}. Host kind: {host}. Lean ops: {kernel}. Machine load: "
         f"{load.line()}.",
@@ -275,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {n}: {sizes[n][0] / sizes[n][1]:.2f} optimizer bytes / param", file=sys.stderr,
               flush=True)
     records = measure(names, ns.rounds, ns.steps, ns.warmup, ns.threads)
-    body = report(names, sizes, records, ns.rounds, ns.steps, ns.warmup, load.stop())
+    body = report(names, sizes, records, ns.rounds, ns.steps, ns.warmup, load.stop(),
+                  pinned=ns.threads is not None)
     print(body)
     if not ns.no_write and not ns.quick:
-        print(f"wrote {common.write_section('lean-state', body)}", file=sys.stderr)
+        # A run pinned to a thread count gets a section of its own, beside the default one.
+        section = "lean-state" + (f"-{ns.threads}t" if ns.threads else "")
+        print(f"wrote {common.write_section(section, body)}", file=sys.stderr)
     return 0 if all(r.ok for r in records.values()) else 1
 
 
