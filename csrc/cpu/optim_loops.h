@@ -71,8 +71,11 @@ inline double lane_sum(const FVec& acc) {
 // the float pointers could alias a struct behind a reference, so the compiler
 // would reload every field (and re-test every flag) once per vector.
 
-void adam_loop(const float* g, float* p, float* m, float* v, int64_t n,
-               const optim::AdamHyper& hyper) {
+// Adam over fp32 tiles: Apex's rule (OptimTable::adam), or the lean ops'
+// (OptimTable::adam_lean: the decoded state of a tile the fused loop does not cover).
+template <bool kLean>
+void adam_tile_loop(const float* g, float* p, float* m, float* v, int64_t n,
+                    const optim::AdamHyper& hyper) {
   const optim::AdamHyper h = hyper;
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c), mv = load(m + i, c), vv = load(v + i, c);
@@ -82,21 +85,11 @@ void adam_loop(const float* g, float* p, float* m, float* v, int64_t n,
     optim::adam_update_moments(load(g + i, c), pv, mv, vv, h);
     mv.store(m + i, c);
     vv.store(v + i, c);
-    optim::adam_update_param(pv, mv, vv, h);
-    pv.store(p + i, c);
-  });
-}
-
-// The lean ops' Adam (optim_math.h's adam_lean_update) over fp32 tiles: the
-// decoded state of a tile the fused loop does not cover.
-void adam_lean_tile_loop(const float* g, float* p, float* m, float* v, int64_t n,
-                         const optim::AdamHyper& hyper) {
-  const optim::AdamHyper h = hyper;
-  for_vectors(n, [&](int64_t i, int64_t c) {
-    FVec pv = load(p + i, c), mv = load(m + i, c), vv = load(v + i, c);
-    optim::adam_lean_update(load(g + i, c), pv, mv, vv, h);
-    mv.store(m + i, c);
-    vv.store(v + i, c);
+    if constexpr (kLean) {
+      optim::adam_lean_param(pv, mv, vv, h);
+    } else {
+      optim::adam_update_param(pv, mv, vv, h);
+    }
     pv.store(p + i, c);
   });
 }
@@ -106,8 +99,8 @@ void adam_lean_tile_loop(const float* g, float* p, float* m, float* v, int64_t n
 // step (bf16 grads, fp32 masters, bf16 model) reads and writes each element
 // once, with the grads widened and the params narrowed in registers rather
 // than through fp32 tiles. The conversions are the copy loops' own
-// (load_block, store_block) and the update is adam_loop's, so the bits are
-// those of adam_loop between copy_loop calls.
+// (load_block, store_block) and the update is adam_tile_loop<false>'s, so the
+// bits are those of that loop between copy_loop calls.
 template <typename G, typename M>
 void adam_mixed_loop(const void* grads, float* p, float* m, float* v, void* model, int64_t n,
                      const optim::AdamHyper& hyper) {
@@ -758,9 +751,9 @@ AMP_CPU_INLINE void finish_block(float* x, void* codes, float* scale, int64_t le
 
 // Adam over a chunk in one pass per block: grads of type G and params of type
 // P (float or BFloat16) read and written in registers, the moments decoded in
-// registers, updated by adam_lean_tile_loop's rule, and the block-scaled ones
+// registers, updated by adam_tile_loop<true>'s rule, and the block-scaled ones
 // kept in an fp32 tile until the block's scale is known. The bits are those of
-// the decode / adam_lean_tile / encode / stochastic_bf16 loops run one after
+// the decode / adam_tile<true> / encode / stochastic_bf16 loops run one after
 // another. Blocks must be whole kBlock groups except the last of a row
 // (block_size a multiple of 32). p_out (may be null) receives the updated fp32
 // params; each tile holds n values.
@@ -868,8 +861,8 @@ void fill_adam_lean_codes(OptimTable& t) {
 OptimTable optim_table() {
   using optim::StateCode;
   // By position: the members of OptimTable in order; the codes in StateCode's order.
-  OptimTable t{&adam_loop,
-               &adam_lean_tile_loop,
+  OptimTable t{&adam_tile_loop<false>,
+               &adam_tile_loop<true>,
                &sgd_loop,
                &adagrad_loop,
                &novograd_loop,

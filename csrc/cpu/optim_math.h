@@ -298,10 +298,10 @@ AMP_OPTIM_FN void adam_update(T g, T& p, T& m, T& v, const AdamHyper& h) {
 // reciprocals rounded on the host. The same Adam as adam_update's
 // (m / bc1) / (sqrt(v / bc2) + eps) up to rounding, in one division and one
 // square root per element instead of three and one; the root is also the value
-// the square-root code stores. Returns sqrt(v) of the new v.
+// the square-root code stores. adam_lean_param takes the new moments and
+// returns sqrt(v).
 template <typename T>
-AMP_OPTIM_FN T adam_lean_update(const T& g, T& p, T& m, T& v, const AdamHyper& h) {
-  adam_update_moments(g, p, m, v, h);
+AMP_OPTIM_FN T adam_lean_param(T& p, const T& m, const T& v, const AdamHyper& h) {
   const T r = sqrt_rn(v);
   T u = (m * T(h.inv_bias_correction1)) / (r * T(h.inv_sqrt_bias_correction2) + T(h.eps));
   if (h.adam_w_mode && h.weight_decay != 0.0f) {
@@ -309,6 +309,12 @@ AMP_OPTIM_FN T adam_lean_update(const T& g, T& p, T& m, T& v, const AdamHyper& h
   }
   p = p - T(h.lr) * u;
   return r;
+}
+
+template <typename T>
+AMP_OPTIM_FN T adam_lean_update(const T& g, T& p, T& m, T& v, const AdamHyper& h) {
+  adam_update_moments(g, p, m, v, h);
+  return adam_lean_param(p, m, v, h);
 }
 
 // SGD with Apex's momentum rule (v = momentum * v + (1 - dampening) * g, the
