@@ -283,6 +283,7 @@ def run_model(model: str, steps: int, results: dict[str, Any], save: Callable[[]
                                    f"{1000 * seconds:.0f} ms/step", done=True)
             res["runs"][label] = {"optimizer_state": setting.optimizer_state,
                                   "master_weights": setting.master_weights, "seed": seed,
+                                  "machine": common.machine(),
                                   "seconds_per_step": round(seconds, 4),
                                   "losses": [round(v, 5) for v in losses]}
             save()
@@ -291,7 +292,9 @@ def run_model(model: str, steps: int, results: dict[str, Any], save: Callable[[]
 def report(results: dict[str, Any]) -> str:
     """The markdown section: machine, method and the table."""
     names = list(results["models"])
-    machines = sorted({results["models"][m]["machine"] for m in names})
+    # Each run's machine (a run added to an earlier model entry may differ from the entry's).
+    machines = sorted({run.get("machine", results["models"][m]["machine"])
+                       for m in names for run in results["models"][m]["runs"].values()})
     return "\n".join([
         "#### Final loss against O2",
         "",
