@@ -280,7 +280,9 @@ AMP_CPU_INLINE __m512i e4m3_codes(const __m512 y) {
       _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))),
       denorm);
   code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)), sub);
-  // At or above 480 (fp8_max): 0x7E (448, saturated) when finite or inf, 0x7F for NaN.
+  // At or above 480 (fp8_max): 0x7E (448, saturated) when finite or inf, 0x7F for NaN, as
+  // torch 2.13's c10 does (older ones gave 0x7F). A usable block never gets here: |x * f|
+  // rounds to at most 448.
   const __m512i over = _mm512_mask_mov_epi32(
       _mm512_set1_epi32(0x7E), _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
       _mm512_set1_epi32(0x7F));
@@ -759,7 +761,7 @@ AMP_CPU_INLINE void finish_block(float* x, void* codes, float* scale, int64_t le
 // params; each tile holds n values.
 //
 // The update's square root and division are long-latency operations on one
-// unit; the integer codes (AVX-512) are written a block late, 32 values per
+// unit; the block-scaled codes (AVX-512) are written a block late, 32 values per
 // step of the next block's loop, so that this work fills the time spent
 // waiting on them rather than following it (the int8 step took 1.3x the bf16
 // one when each block was coded after its loop).
