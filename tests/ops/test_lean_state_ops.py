@@ -21,7 +21,7 @@ import torch
 from conftest import DEVICES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_ops import assert_bitwise
+from test_ops import assert_bitwise, clone_args
 
 from amp_patch import ops
 from amp_patch.ops import lean_state_ops as lean
@@ -118,14 +118,6 @@ def _to(args, device):
     return [move(a) for a in args] if device != "cpu" else args
 
 
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
-    if isinstance(x, list):
-        return [_clone(t) for t in x]
-    return x
-
-
 def _assert_same(got, want):
     """Every tensor of every list: same dtype, shape and bits (NaN payloads aside)."""
     for a, b in zip(got, want):
@@ -144,7 +136,7 @@ def _assert_same(got, want):
 
 
 def _run_both(name, args):
-    got, want = _clone(list(args)), _clone(list(args))
+    got, want = clone_args(list(args)), clone_args(list(args))
     getattr(torch.ops.amp_patch, name)(*got)
     lean._LEAN_REFERENCE[name](*want)
     return got, want
@@ -227,7 +219,7 @@ def test_many_tensors_across_tasks(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_grads_and_state_left_alone_where_read_only(device):
     name, args = _adam_args(device=device)
-    grads = _clone(args[0])
+    grads = clone_args(args[0])
     torch.ops.amp_patch.multi_tensor_adam_lean_(*args)
     assert_bitwise(args[0], grads)
 
@@ -308,7 +300,7 @@ def test_every_e4m3_code_like_reference(device, param_dtype):
 def test_noop_writes_nothing(device, flag_dtype):
     for build in (_adam_args, _sgd_args):
         name, args = build(device=device, noop=torch.ones(1, dtype=flag_dtype, device=device))
-        before = _clone(list(args))
+        before = clone_args(list(args))
         got, want = _run_both(name, args)
         _assert_same(got, before)
         _assert_same(want, before)
@@ -343,7 +335,7 @@ def test_stochastic_rounding_changes_with_step_and_seed(device):
     _, args = _adam_args(m_code=F32, v_code=F32, device=device, shapes=[((4096,), "contiguous")])
     outs = []
     for step, seed in ((3, 1234), (4, 1234), (3, 1)):
-        a = _clone(list(args))
+        a = clone_args(list(args))
         a[14], a[18] = step, seed
         a[2] = [torch.zeros_like(t) for t in a[2]]
         a[4] = [torch.ones_like(t) for t in a[4]]
@@ -445,7 +437,7 @@ def test_adam_errors_match_reference(case):
     _, args = _adam_args()
     for run in _impls("multi_tensor_adam_lean_"):
         with pytest.raises(RuntimeError, match=message):
-            run(*make(_clone(list(args))))
+            run(*make(clone_args(list(args))))
 
 
 def test_sgd_errors_match_reference():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ops import assert_bitwise
+from test_ops import assert_bitwise, clone_args
 
 from amp_patch import ops
 from amp_patch.ops import lean_state_ops
@@ -48,14 +48,6 @@ BLOCK_SIZES = [1, 33, 100, 256, 2048, 5000]
 
 
 # ------------------------------------------------------------------ helpers
-
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
-    if isinstance(x, (list, tuple)):
-        return [_clone(t) for t in x]
-    return x
-
 
 def _assert_same(got, want, what):
     """Tensor lists equal bit for bit: floats through assert_bitwise, codes exactly."""
@@ -98,7 +90,7 @@ def _strided(t, layout):
 
 def _run(name, args):
     """The CUDA kernel and the reference on separate copies of args; returns both copies."""
-    got, want = _clone(list(args)), _clone(list(args))
+    got, want = clone_args(list(args)), clone_args(list(args))
     getattr(torch.ops.amp_patch, name)(*got)
     lean_state_ops._LEAN_REFERENCE[name](*want)
     return got, want
@@ -209,7 +201,7 @@ def test_adam_lean_more_blocks_than_the_grid(codes):
 @pytest.mark.parametrize("codes", ADAM_CODES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_adam_lean_noop_writes_nothing(codes, noop_dtype):
     args = _adam_args(SHAPES, codes, BF16, 33, noop=torch.ones(1, dtype=noop_dtype, device=DEV))
-    before = _clone(args)
+    before = clone_args(args)
     got, want = _run(ADAM, args)
     for what, k in _ADAM_OUT.items():
         _assert_same(got[k], before[k], what)
@@ -289,7 +281,7 @@ def test_sgd_lean_variants_match_reference(code, param_dtype, variant):
 @pytest.mark.parametrize("code", SGD_CODES, ids=str)
 def test_sgd_lean_noop_writes_nothing(code):
     args = _sgd_args(SHAPES, code, BF16, 33, noop=torch.ones(1, device=DEV))
-    before = _clone(args)
+    before = clone_args(args)
     got, want = _run(SGD, args)
     for what, k in _SGD_OUT.items():
         _assert_same(got[k], before[k], what)
@@ -320,9 +312,9 @@ def test_adam_lean_rejects_what_the_reference_rejects(bad):
     else:
         args[1] = [args[1][0].double()]
     with pytest.raises(RuntimeError) as ref:
-        lean_state_ops._LEAN_REFERENCE[ADAM](*_clone(args))
+        lean_state_ops._LEAN_REFERENCE[ADAM](*clone_args(args))
     with pytest.raises(RuntimeError) as kernel:
-        torch.ops.amp_patch.multi_tensor_adam_lean_(*_clone(args))
+        torch.ops.amp_patch.multi_tensor_adam_lean_(*clone_args(args))
     # The same complaint: the message names the same list.
     for word in ("exp_avgs", "exp_avg_scales", "block_size", "params[0]"):
         assert (word in str(ref.value)) == (word in str(kernel.value)), word

@@ -90,10 +90,14 @@ def _like(tensors, dtype, contiguous=False, seed=1):
     return out
 
 
-def _clone(tensors):
-    """Copies with the same strides, so non-dense (sliced) cases stay non-dense."""
-    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-            for t in tensors]
+def clone_args(x):
+    """A copy of an op's argument: tensors with the same strides (so non-dense, sliced cases
+    stay non-dense), lists and tuples element by element (as a list), anything else as it is."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    if isinstance(x, (list, tuple)):
+        return [clone_args(t) for t in x]
+    return x
 
 
 def _int_view(t):
@@ -126,7 +130,7 @@ def _scale(device, value=1.0 / 1024.0 * 3.0):
 @pytest.mark.parametrize("case", list(CASES))
 def test_unscale_matches_reference(device, case):
     got = _tensors(case, device)
-    want = _clone(got)
+    want = clone_args(got)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_(got, f_got, _scale(device))
     scaling_ops._unscale_ref(want, f_want, _scale(device))
@@ -140,7 +144,7 @@ def test_unscale_matches_reference(device, case):
 def test_unscale_copy_matches_reference(device, case, dst_dtype):
     src = _tensors(case, device)
     got = _like(src, dst_dtype)
-    want = _clone(got)
+    want = clone_args(got)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_copy_(src, got, f_got, _scale(device))
     scaling_ops._unscale_copy_ref(src, want, f_want, _scale(device))
@@ -155,7 +159,7 @@ def test_unscale_copy_matches_reference(device, case, dst_dtype):
 def test_axpby_matches_reference(device, case, y_dtype, a, b):
     x = _tensors(case, device)
     got = _like(x, y_dtype, contiguous=True)
-    want = _clone(got)
+    want = clone_args(got)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_axpby_(x, got, f_got, a, b)
     scaling_ops._axpby_ref(x, want, f_want, a, b)
@@ -169,7 +173,7 @@ def test_axpby_matches_reference(device, case, y_dtype, a, b):
 def test_copy_matches_reference(device, case, dst_dtype):
     src = _tensors(case, device)
     got = _like(src, dst_dtype)
-    want = _clone(got)
+    want = clone_args(got)
     ops.multi_tensor_copy_(src, got)
     scaling_ops._copy_ref(src, want)
     assert_bitwise(got, want)
@@ -199,7 +203,7 @@ def test_l2norm_matches_float64(device, case, per_tensor):
 def test_unscale_l2norm_matches_float64(device, case):
     """The norm of x * inv_scale, x untouched; like l2norm, checked against fp64 (the order of sums differs)."""
     x = _tensors(case, device)
-    before = _clone(x)
+    before = clone_args(x)
     inv = _scale(device, 2.0**-7)
     total, norms = ops.multi_tensor_unscale_l2norm(x, inv, True)
     assert_bitwise(x, before)
@@ -325,7 +329,7 @@ def test_nonfinite_sets_found_inf(device, value, which, where):
     x = _nonfinite_case(device)
     _poison(x, value, which, where)
 
-    got, want = _clone(x), _clone(x)
+    got, want = clone_args(x), clone_args(x)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_(got, f_got, _scale(device))
     scaling_ops._unscale_ref(want, f_want, _scale(device))
@@ -361,7 +365,7 @@ def test_axpby_checks_only_x(device):
 def test_found_inf_is_never_cleared(device):
     x = _nonfinite_case(device)
     found_inf = _flag(device, 1.0)
-    ops.multi_tensor_unscale_(_clone(x), found_inf, _scale(device))
+    ops.multi_tensor_unscale_(clone_args(x), found_inf, _scale(device))
     ops.multi_tensor_unscale_copy_(x, _like(x, F32), found_inf, _scale(device))
     ops.multi_tensor_axpby_(x, _like(x, F32), found_inf, 1.0, 1.0)
     assert found_inf.item() == 1.0
@@ -581,13 +585,13 @@ def test_property_random_lists(device, specs, dst_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     x = [_make((2, (n + 1) // 2) if layout == "sliced" else (n,), dt, device, layout, gen)
          for n, dt, layout in specs]
-    got, want = _clone(x), _clone(x)
+    got, want = clone_args(x), clone_args(x)
     f_got, f_want = _flag(device), _flag(device)
     ops.multi_tensor_unscale_(got, f_got, _scale(device))
     scaling_ops._unscale_ref(want, f_want, _scale(device))
     assert_bitwise(got, want)
     y_got = _like(x, dst_dtype, seed=seed)
-    y_want = _clone(y_got)
+    y_want = clone_args(y_got)
     ops.multi_tensor_axpby_(x, y_got, f_got, 0.25, 0.5)
     scaling_ops._axpby_ref(x, y_want, f_want, 0.25, 0.5)
     assert_bitwise(y_got, y_want)
@@ -757,7 +761,7 @@ def _check_every_op(xs, label):
         scaling_ops._copy_ref(xs, want)
         assert_bitwise(got, want)
     y = [_rand_cuda(x.numel(), F32) for x in xs]
-    got, want = _clone(y), _clone(y)
+    got, want = clone_args(y), clone_args(y)
     f_got, f_want = _flag("cuda"), _flag("cuda")
     ops.multi_tensor_axpby_(xs, got, f_got, 0.25, 1.5)
     scaling_ops._axpby_ref(xs, want, f_want, 0.25, 1.5)
@@ -854,7 +858,7 @@ def test_cuda_ops_run_on_the_current_stream():
     xs = [_rand_cuda(n, dt, gen=gen) for n, dt in [(70_001, F32), (33, BF16), (4099, F16), (9, F64)]]
     ys = [_rand_cuda(x.numel(), F32, gen=gen) for x in xs]
     inv = _scale("cuda")
-    want_x, want_y = _clone(xs), _clone(ys)
+    want_x, want_y = clone_args(xs), clone_args(ys)
     f_want = _flag("cuda")
     scaling_ops._unscale_ref(want_x, f_want, inv)
     scaling_ops._axpby_ref(want_x, want_y, f_want, 0.5, 2.0)
@@ -887,7 +891,7 @@ def test_cuda_denormal_inputs_and_outputs():
           for dt, n in [(F32, 4099), (BF16, 1027), (F16, 515), (F64, 33)]]
     assert all((x != 0).any() and (x.abs() < torch.finfo(x.dtype).tiny).all() for x in xs)
     inv = _scale("cuda", 0.375)
-    got, want = _clone(xs), _clone(xs)
+    got, want = clone_args(xs), clone_args(xs)
     f_got, f_want = _flag("cuda"), _flag("cuda")
     ops.multi_tensor_unscale_(got, f_got, inv)
     scaling_ops._unscale_ref(want, f_want, inv)
@@ -903,7 +907,7 @@ def test_cuda_denormal_inputs_and_outputs():
         scaling_ops._copy_ref(xs, want)
         assert_bitwise(got, want)
     y = [torch.full_like(x, 1e-39, dtype=F32) for x in xs]
-    got, want = _clone(y), _clone(y)
+    got, want = clone_args(y), clone_args(y)
     ops.multi_tensor_axpby_(xs, got, f_got, 0.5, 0.25)
     scaling_ops._axpby_ref(xs, want, f_want, 0.5, 0.25)
     assert_bitwise(got, want)

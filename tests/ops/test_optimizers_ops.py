@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 from conftest import DEVICES
-from test_ops import assert_bitwise
+from test_ops import assert_bitwise, clone_args
 
 from amp_patch import ops
 from amp_patch.ops import optimizer_ops
@@ -82,14 +82,6 @@ def _lists(case, precision, device, n_state, seed=0, positive_state=(1,)):
     return grads, params, state, model
 
 
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
-    if isinstance(x, list):
-        return [_clone(t) for t in x]
-    return x
-
-
 def _flag(device, value=0.0, dtype=torch.float32):
     return torch.full((1,), value, dtype=dtype, device=device)
 
@@ -100,7 +92,7 @@ def _scale(device):
 
 def _run_both(name, args):
     """Runs the dispatched op and the reference on separate copies; returns both copies."""
-    got, want = _clone(list(args)), _clone(list(args))
+    got, want = clone_args(list(args)), clone_args(list(args))
     out_got = getattr(torch.ops.amp_patch, name)(*got)
     out_want = optimizer_ops._OPTIM_REFERENCE[name](*want)
     return got, want, out_got, out_want
@@ -267,7 +259,7 @@ def test_nonfinite_propagates_like_reference(device, op, value, where):
 def test_noop_flag_changes_nothing(device, op, flag_dtype):
     """A set flag skips the whole step: every tensor keeps its bits, in kernel and reference."""
     name, args = BUILDERS[op]("mixed", "master", device, noop=_flag(device, 1, flag_dtype))
-    before = _clone(list(args))
+    before = clone_args(list(args))
     got, want, out_got, out_want = _run_both(name, args)
     _assert_lists_equal(got, before)
     _assert_lists_equal(want, before)
@@ -292,7 +284,7 @@ def test_adam_half_grads_into_masters_and_model_in_one_call(device):
     """Half grads times inv_scale update fp32 masters; the model copy is the rounded master."""
     name, args = _adam_args("bf16", "master", device)
     grads, masters, model = args[0], args[1], args[4]
-    grads_before = _clone(grads)
+    grads_before = clone_args(grads)
     torch.ops.amp_patch.multi_tensor_adam_(*args)
     assert_bitwise(grads, grads_before)  # grads are read only
     assert_bitwise(model, [m.to(BF16) for m in masters])
@@ -301,7 +293,7 @@ def test_adam_half_grads_into_masters_and_model_in_one_call(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_lamb_stage1_norms_match_float64(device):
     name, args = _lamb1_args("large", "master", device, use_nvlamb=True)
-    params = _clone(args[1])
+    params = clone_args(args[1])
     pn, un = getattr(torch.ops.amp_patch, name)(*args)
     exact = torch.stack([p.double().norm() for p in params]).cpu()
     torch.testing.assert_close(pn.double().cpu(), exact, rtol=1e-6, atol=0)
@@ -315,10 +307,10 @@ def test_results_do_not_depend_on_the_thread_count(threads):
     name, args = _lamb1_args("many_tasks", "master", "cpu", use_nvlamb=True)
     try:
         torch.set_num_threads(1)
-        one = _clone(list(args))
+        one = clone_args(list(args))
         out_one = getattr(torch.ops.amp_patch, name)(*one)
         torch.set_num_threads(threads)
-        many = _clone(list(args))
+        many = clone_args(list(args))
         out_many = getattr(torch.ops.amp_patch, name)(*many)
     finally:
         torch.set_num_threads(saved)
