@@ -476,19 +476,24 @@ void scaled_encode(float* x, void* codes, float* scales, int64_t n, int64_t bloc
   });
 }
 
-// The bits of element e0 + k of the tensor with key `key` are added to the
-// low half of its fp32 pattern, which is then cut; a non-finite value keeps
-// its high half (a NaN stays a NaN).
+// The bf16 bits of fp32 x, element e of the tensor with key `key`: its
+// rounding bits (optim::rounding_bits) added to the low half of its pattern,
+// which is then cut; a non-finite value keeps its high half (a NaN stays a
+// NaN, made quiet).
+inline uint16_t stochastic_bf16_value(float x, uint32_t key, uint32_t e) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if (!optim::finite_bits(u)) {
+    return static_cast<uint16_t>((u >> 16) | ((u & 0x7FFFFFu) != 0 ? 0x40u : 0u));
+  }
+  return optim::stochastic_bf16_bits(u, optim::rounding_bits(key, e));
+}
+
 void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, int64_t e0) {
   uint16_t* o = static_cast<uint16_t*>(out);
   const uint32_t first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
   for (int64_t k = 0; k < n; ++k) {
-    uint32_t u;
-    std::memcpy(&u, x + k, sizeof(u));
-    const uint32_t r =
-        optim::fmix32(key ^ ((first + static_cast<uint32_t>(k)) * optim::kHashK0)) >> 16;
-    const uint32_t nearest = (u >> 16) | ((u & 0x7FFFFFu) != 0 ? 0x40u : 0u);
-    o[k] = static_cast<uint16_t>(optim::finite_bits(u) ? (u + r) >> 16 : nearest);
+    o[k] = stochastic_bf16_value(x[k], key, first + static_cast<uint32_t>(k));
   }
 }
 
@@ -621,7 +626,7 @@ AMP_CPU_INLINE void keep_vectors(void* codes, float* tile, int64_t at, int64_t t
 }
 
 // `count` params from two fp32 vectors: fp32 as they are, bf16 stochastically
-// rounded with the bits of elements e .. e + count (see stochastic_bf16_loop).
+// rounded with the bits of elements e .. e + count (see stochastic_bf16_value).
 template <typename P>
 AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec& hi, uint32_t key,
                         uint32_t e) {
@@ -684,12 +689,7 @@ AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec&
     hi.store(x + kW);
     alignas(64) uint16_t o[kBlock];
     for (int64_t k = 0; k < kBlock; ++k) {
-      uint32_t u;
-      std::memcpy(&u, x + k, sizeof(u));
-      const uint32_t r =
-          optim::fmix32(key ^ ((e + static_cast<uint32_t>(k)) * optim::kHashK0)) >> 16;
-      const uint32_t nearest = (u >> 16) | ((u & 0x7FFFFFu) != 0 ? 0x40u : 0u);
-      o[k] = static_cast<uint16_t>(optim::finite_bits(u) ? (u + r) >> 16 : nearest);
+      o[k] = stochastic_bf16_value(x[k], key, e + static_cast<uint32_t>(k));
     }
     if (count == kBlock) {
       std::memcpy(static_cast<void*>(p), o, sizeof(o));
