@@ -141,9 +141,11 @@ struct CudaLamb {
     }
     const auto fp32 = at::TensorOptions().device(device).dtype(at::kFloat);
     at::Tensor partials = at::zeros({2, n, max_chunks}, fp32);
-    at::Tensor norms = at::empty({2, n}, fp32);
+    // Two tensors, not two rows of one: the op's outputs must not alias.
+    at::Tensor param_norms = at::empty({n}, fp32);
+    at::Tensor update_norms = at::empty({n}, fp32);
     if (n == 0) {
-      return {norms[0], norms[1]};
+      return {param_norms, update_norms};
     }
     TORCH_CHECK(n * max_chunks <= INT32_MAX, "amp_patch::", op, ": too many chunks");
     float* partials_ptr = partials.data_ptr<float>();
@@ -151,13 +153,12 @@ struct CudaLamb {
                                       global_grad_norm.const_data_ptr<float>(), partials_ptr,
                                       partials_ptr + n * max_chunks, max_grad_norm,
                                       static_cast<int>(max_chunks)});
-    float* norms_ptr = norms.data_ptr<float>();
     lamb_norms_finalize<<<static_cast<unsigned>(n), kFinalizeThreads, 0,
                           c10::cuda::getCurrentCUDAStream()>>>(
-        partials_ptr, partials_ptr + n * max_chunks, static_cast<int>(max_chunks), norms_ptr,
-        norms_ptr + n);
+        partials_ptr, partials_ptr + n * max_chunks, static_cast<int>(max_chunks),
+        param_norms.data_ptr<float>(), update_norms.data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return {norms[0], norms[1]};
+    return {param_norms, update_norms};
   }
 
   static void lamb_apply(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
