@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
+
 namespace amp_patch {
 namespace {
 
@@ -65,7 +67,7 @@ void check_no_overlap(
       const std::string rule = in_name[0] != '\0'
           ? std::string("only ") + out_name + "[i] may be the very same tensor as " + in_name + "[i]"
           : std::string("no tensor may appear twice");
-      TORCH_CHECK(false, "amp_patch::", op, ": ", reach->list, "[", reach->index, "] and ", e.list,
+      AMP_CHECK(false, "amp_patch::", op, ": ", reach->list, "[", reach->index, "] and ", e.list,
                   "[", e.index, "] overlap in memory, so the result would depend on the order in "
                   "which the kernel processes them (", rule,
                   "; a written tensor shares memory with no other)");

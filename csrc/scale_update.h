@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "check.h"
+
 namespace amp_patch {
 
 // Where the step reads and writes: device pointers for the CUDA kernel, host
@@ -87,10 +89,10 @@ inline ScaleState scale_state(
       {"found_inf", found_inf, at::kFloat},
   };
   for (const auto& a : args) {
-    TORCH_CHECK(a.t.scalar_type() == a.dtype && a.t.numel() == 1, "amp_patch::", op, ": ",
+    AMP_CHECK(a.t.scalar_type() == a.dtype && a.t.numel() == 1, "amp_patch::", op, ": ",
                 a.name, " must be a one-element ", a.dtype, " tensor, got ", a.t.scalar_type(),
                 " with ", a.t.numel(), " elements");
-    TORCH_CHECK(a.t.device() == current_scale.device(), "amp_patch::", op, ": ", a.name,
+    AMP_CHECK(a.t.device() == current_scale.device(), "amp_patch::", op, ": ", a.name,
                 " is on ", a.t.device(), " but current_scale is on ", current_scale.device());
   }
   return {current_scale.mutable_data_ptr<float>(), growth_tracker.mutable_data_ptr<int32_t>(),

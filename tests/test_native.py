@@ -153,3 +153,23 @@ def test_mismatch_rebuilds_once_for_the_running_torch(tmp_path):
     warnings = _warnings(err)
     assert len(warnings) == 1 and "using the kernels compiled for this torch" in warnings[0]
     assert not any("compiling" in line for line in err)
+
+
+def test_kernel_checks_build_their_messages_without_streams():
+    """Every check in csrc/ is an AMP_CHECK (csrc/check.h): no stream formats a message.
+
+    With a C++ runtime linked into amp_patch._C, a stream that printed a number crashed the
+    process instead of raising (H200 image, torch 2.11). tests/ops/test_ops.py checks the text.
+    """
+    offenders = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "csrc")):
+        for name in files:
+            if name == "check.h" or not name.endswith((".h", ".cpp", ".cu", ".cuh")):
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                for number, line in enumerate(f, 1):
+                    if any(s in line for s in ("TORCH_CHECK(", "c10::str(", "stringstream")):
+                        offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+

@@ -12,10 +12,10 @@
 #include <array>
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <tuple>
 
+#include "check.h"
 #include "cpu/optim_math.h"
 
 namespace amp_patch::optim {
@@ -68,7 +68,7 @@ inline Lists<4> sgd_lists(const char* op, at::TensorList grads, at::TensorList p
                           at::TensorList momentum_buffers, at::TensorList model_params,
                           double momentum) {
   const bool with_momentum = momentum != 0.0;
-  TORCH_CHECK(!with_momentum || momentum_buffers.size() == grads.size(), "amp_patch::", op,
+  AMP_CHECK(!with_momentum || momentum_buffers.size() == grads.size(), "amp_patch::", op,
               ": momentum is ", momentum, " but momentum_buffers has ", momentum_buffers.size(),
               " tensors for ", grads.size(), " grads");
   return one_state_lists(grads, params, "momentum_buffers", momentum_buffers, with_momentum,
@@ -283,22 +283,21 @@ inline std::string py_dtype(at::ScalarType st) {
 }
 
 inline std::string py_shape(at::IntArrayRef sizes) {
-  std::ostringstream out;
-  out << "(";
+  std::string out = "(";  // no stream: see check.h
   for (size_t i = 0; i < sizes.size(); ++i) {
-    out << (i ? ", " : "") << sizes[i];
+    out += (i ? ", " : "") + std::to_string(sizes[i]);
   }
-  out << (sizes.size() == 1 ? ",)" : ")");
-  return out.str();
+  out += sizes.size() == 1 ? ",)" : ")";
+  return out;
 }
 
 // _check_rows: each list as long as grads, each tensor shaped like its grad.
 inline void check_lean_rows(const char* op, at::TensorList lead, const char* name,
                             at::TensorList tensors) {
-  TORCH_CHECK(tensors.size() == lead.size(), "amp_patch::", op, ": list lengths differ (grads has ",
+  AMP_CHECK(tensors.size() == lead.size(), "amp_patch::", op, ": list lengths differ (grads has ",
               lead.size(), ", ", name, " has ", tensors.size(), ")");
   for (size_t i = 0; i < lead.size(); ++i) {
-    TORCH_CHECK(tensors[i].sizes() == lead[i].sizes(), "amp_patch::", op, ": ", name, "[", i,
+    AMP_CHECK(tensors[i].sizes() == lead[i].sizes(), "amp_patch::", op, ": ", name, "[", i,
                 "] has shape ", py_shape(tensors[i].sizes()), " but grads[", i, "] has ",
                 py_shape(lead[i].sizes()));
   }
@@ -307,33 +306,33 @@ inline void check_lean_rows(const char* op, at::TensorList lead, const char* nam
 // _check_state: codes of a known dtype (uint8 only for second moments), and
 // for the block-scaled ones contiguous fp32 scales of the right shape.
 inline void check_lean_state(const char* op, const LeanStateArg& s, int64_t block_size) {
-  TORCH_CHECK(s.scales.empty() || s.scales.size() == s.codes.size(), "amp_patch::", op, ": ",
+  AMP_CHECK(s.scales.empty() || s.scales.size() == s.codes.size(), "amp_patch::", op, ": ",
               s.scale_name, " has ", s.scales.size(), " tensors for ", s.codes.size(), " ",
               s.name, " (give one per tensor, or none)");
   for (size_t i = 0; i < s.codes.size(); ++i) {
     const at::Tensor& t = s.codes[i];
     const at::ScalarType st = t.scalar_type();
-    TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kChar || st == at::kByte ||
+    AMP_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kChar || st == at::kByte ||
                     st == at::kFloat8_e4m3fn,
                 "amp_patch::", op, ": ", s.name, "[", i, "] has dtype ", py_dtype(st),
                 "; state codes are torch.float32, torch.bfloat16, torch.int8, torch.uint8, "
                 "torch.float8_e4m3fn");
-    TORCH_CHECK(st != at::kByte || std::string(s.name) == "exp_avg_sqs", "amp_patch::", op, ": ",
+    AMP_CHECK(st != at::kByte || std::string(s.name) == "exp_avg_sqs", "amp_patch::", op, ": ",
                 s.name, "[", i, "] is uint8, the code of a second moment (never negative); "
                 "signed state takes int8");
     if (!block_scaled(state_code(st))) {
       continue;
     }
-    TORCH_CHECK(!s.scales.empty(), "amp_patch::", op, ": ", s.name, "[", i, "] is ",
+    AMP_CHECK(!s.scales.empty(), "amp_patch::", op, ": ", s.name, "[", i, "] is ",
                 py_dtype(st), " but ", s.scale_name, " is empty");
     const at::Tensor& sc = s.scales[i];
     const auto want = lean_scale_shape(t.sizes(), block_size);
-    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.dim() == 2 && sc.size(0) == want[0] &&
+    AMP_CHECK(sc.scalar_type() == at::kFloat && sc.dim() == 2 && sc.size(0) == want[0] &&
                     sc.size(1) == want[1],
                 "amp_patch::", op, ": ", s.scale_name, "[", i, "] must be float32 of shape (",
                 want[0], ", ", want[1], ") for block_size ", block_size, ", got ",
                 py_dtype(sc.scalar_type()), " ", py_shape(sc.sizes()));
-    TORCH_CHECK(t.is_contiguous() && sc.is_contiguous(), "amp_patch::", op, ": ", s.name, "[", i,
+    AMP_CHECK(t.is_contiguous() && sc.is_contiguous(), "amp_patch::", op, ": ", s.name, "[", i,
                 "] and its scales must be contiguous");
   }
 }
@@ -350,11 +349,11 @@ void check_lean_lists(const char* op, const LeanLists<S>& l, int64_t block_size)
   if (!l.model_params.empty()) {
     check_lean_rows(op, l.grads, "model_params", l.model_params);
   }
-  TORCH_CHECK(block_size >= 1, "amp_patch::", op, ": block_size must be positive, got ",
+  AMP_CHECK(block_size >= 1, "amp_patch::", op, ": block_size must be positive, got ",
               block_size);
   for (size_t i = 0; i < l.params.size(); ++i) {
     const at::ScalarType st = l.params[i].scalar_type();
-    TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "amp_patch::", op,
+    AMP_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, "amp_patch::", op,
                 ": params[", i, "] has dtype ", py_dtype(st),
                 "; params are float32, bfloat16 or float16");
   }
@@ -396,7 +395,7 @@ void sgd_lean_op(at::TensorList grads, at::TensorList params, at::TensorList mom
                  bool wd_after_momentum, int64_t step, int64_t block_size, int64_t seed) {
   constexpr const char* op = "multi_tensor_sgd_lean_";
   const bool with_momentum = momentum != 0.0;
-  TORCH_CHECK(!with_momentum || momentum_buffers.size() == grads.size(), "amp_patch::", op,
+  AMP_CHECK(!with_momentum || momentum_buffers.size() == grads.size(), "amp_patch::", op,
               ": momentum is ", momentum, " but momentum_buffers has ", momentum_buffers.size(),
               " tensors for ", grads.size(), " grads");
   const LeanLists<1> lists{

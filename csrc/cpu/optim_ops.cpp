@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "check.h"
 #include "cpu/kernel_table.h"
 #include "cpu/optim_args.h"
 #include "cpu/optim_table.h"
@@ -73,7 +74,7 @@ struct Row {
 
 Dt element_type(const at::Tensor& t, const char* op, const char* list, size_t i) {
   const at::ScalarType st = t.scalar_type();
-  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "amp_patch::", op, ": ",
+  AMP_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, "amp_patch::", op, ": ",
               list, "[", i, "] has dtype ", st,
               "; the optimizer kernels take float32, float16 and bfloat16");
   return st == at::kFloat ? kF32 : (st == at::kHalf ? kF16 : kBF16);
@@ -86,7 +87,7 @@ bool step_skipped(const std::optional<at::Tensor>& noop, const char* op) {
   }
   if (noop->scalar_type() == at::kInt) {
     check_cpu(*noop, op, "noop");
-    TORCH_CHECK(noop->numel() == 1, "amp_patch::", op, ": noop must have one element, got ",
+    AMP_CHECK(noop->numel() == 1, "amp_patch::", op, ": noop must have one element, got ",
                 noop->numel());
     return *noop->const_data_ptr<int32_t>() != 0;
   }
@@ -105,7 +106,7 @@ class RowPlan {
     TORCH_INTERNAL_ASSERT(!lists_.empty() && lists_.size() <= kMaxLists);
     const size_t n = lists_[0].tensors.size();
     for (const ListArg& l : lists_) {
-      TORCH_CHECK(l.use == Use::kAbsent || l.tensors.size() == n, "amp_patch::", op,
+      AMP_CHECK(l.use == Use::kAbsent || l.tensors.size() == n, "amp_patch::", op,
                   ": list lengths differ (", lists_[0].name, " has ", n, ", ", l.name, " has ",
                   l.tensors.size(), ")");
     }
@@ -152,7 +153,7 @@ class RowPlan {
       }
       const at::Tensor& t = l.tensors[i];
       check_cpu(t, op_, l.name);
-      TORCH_CHECK(t.sizes() == lead.sizes(), "amp_patch::", op_, ": ", l.name, "[", i,
+      AMP_CHECK(t.sizes() == lead.sizes(), "amp_patch::", op_, ": ", l.name, "[", i,
                   "] has shape ", t.sizes(), " but ", lists_[0].name, "[", i, "] has ",
                   lead.sizes());
       row.dt[k] = element_type(t, op_, l.name, i);
@@ -254,7 +255,7 @@ void run_elementwise(RowPlan& plan, bool skip, const Update& update) {
 
 // A per-tensor vector (NovoGrad's grad norms, LAMB's norms) on the CPU.
 const float* per_tensor(const at::Tensor& t, size_t n, const char* op, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 &&
+  AMP_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 1 &&
                   static_cast<size_t>(t.numel()) == n && t.is_contiguous(),
               "amp_patch::", op, ": ", what, " must be a contiguous 1-D float32 CPU tensor of ", n,
               " elements (one per tensor), got ", t.scalar_type(), " of shape ", t.sizes(), " on ",

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "check.h"
 #include "cpu/kernel_table.h"
 
 // With torch's OpenMP backend, at::parallel_for (Plan::run) is compiled into
@@ -57,19 +58,19 @@ inline Dt dt_of(const at::Tensor& t, const char* op) {
     case at::kDouble:
       return kF64;
     default:
-      TORCH_CHECK(false, "amp_patch::", op, ": unsupported dtype ", t.scalar_type(),
+      AMP_CHECK(false, "amp_patch::", op, ": unsupported dtype ", t.scalar_type(),
                   " (the multi-tensor kernels take float32, float16, bfloat16 and float64)");
   }
 }
 
 inline void check_cpu(const at::Tensor& t, const char* op, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), "amp_patch::", op, ": ", what, " is on ", t.device(),
+  AMP_CHECK(t.device().is_cpu(), "amp_patch::", op, ": ", what, " is on ", t.device(),
               "; the CPU kernel needs every tensor on the CPU");
 }
 
 inline float* flag_ptr(const at::Tensor& found_inf, const char* op) {
   check_cpu(found_inf, op, "found_inf");
-  TORCH_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1, "amp_patch::", op,
+  AMP_CHECK(found_inf.scalar_type() == at::kFloat && found_inf.numel() == 1, "amp_patch::", op,
               ": found_inf must be a one-element float32 tensor, got ", found_inf.scalar_type(),
               " with ", found_inf.numel(), " elements");
   return found_inf.mutable_data_ptr<float>();
@@ -77,7 +78,7 @@ inline float* flag_ptr(const at::Tensor& found_inf, const char* op) {
 
 inline float read_scalar(const at::Tensor& t, const char* op, const char* what) {
   check_cpu(t, op, what);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "amp_patch::", op, ": ", what,
+  AMP_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, "amp_patch::", op, ": ", what,
               " must be a one-element float32 tensor, got ", t.scalar_type(), " with ", t.numel(),
               " elements");
   return *t.const_data_ptr<float>();
@@ -168,7 +169,7 @@ class Tasks {
       }
       return local;
     }
-    TORCH_CHECK(ntasks <= INT32_MAX, "amp_patch: ", ntasks, " tasks in one call; at most ",
+    AMP_CHECK(ntasks <= INT32_MAX, "amp_patch: ", ntasks, " tasks in one call; at most ",
                 INT32_MAX, " are supported");
     std::vector<Block> blocks(static_cast<size_t>(nworkers));
     for (int64_t w = 0; w < nworkers; ++w) {
@@ -237,7 +238,7 @@ class Plan {
   // dst may be absent (read-only ops) or the same list as src (in-place ops).
   Plan(const char* op, at::TensorList src, std::optional<at::TensorList> dst, bool in_place) {
     if (dst) {
-      TORCH_CHECK(src.size() == dst->size(), "amp_patch::", op, ": list lengths differ (",
+      AMP_CHECK(src.size() == dst->size(), "amp_patch::", op, ": list lengths differ (",
                   src.size(), " vs ", dst->size(), ")");
     }
     jobs_.resize(src.size());
@@ -272,7 +273,7 @@ class Plan {
     job.numel = s.numel();
     if (d != nullptr) {
       check_cpu(*d, op, "an output tensor");
-      TORCH_CHECK(s.sizes() == d->sizes(), "amp_patch::", op, ": tensor ", i, " has shape ",
+      AMP_CHECK(s.sizes() == d->sizes(), "amp_patch::", op, ": tensor ", i, " has shape ",
                   s.sizes(), " in the first list but ", d->sizes(), " in the second");
       job.out_dt = dt_of(*d, op);
     }

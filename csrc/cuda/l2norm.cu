@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "check.h"
 #include "multi_tensor_apply.cuh"
 #include "tensor_lists.cuh"
 
@@ -163,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> norms_cuda(
     offsets[i] = static_cast<int32_t>(num_partials);
     plan.add(x[i], /*in_place=*/false, offsets[i]);
     num_partials += (x[i].numel() + kChunkElems - 1) / kChunkElems;
-    TORCH_CHECK(
+    AMP_CHECK(
         num_partials <= INT_MAX, "amp_patch::", op, ": more than 2^31 chunks of ",
         kChunkElems, " elements");
   }
@@ -216,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList x, bo
 std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm_cuda(
     at::TensorList x, const at::Tensor& inv_scale, bool per_tensor) {
   constexpr const char* op = "multi_tensor_unscale_l2norm";
-  TORCH_CHECK(
+  AMP_CHECK(
       inv_scale.is_cuda(), "amp_patch::", op, ": inv_scale must be a CUDA tensor, got ",
       inv_scale.device());
   check_inv_scale(op, inv_scale, inv_scale.device(), "inv_scale");

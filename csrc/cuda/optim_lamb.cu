@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "check.h"
 #include "optim_lists.cuh"
 
 namespace amp_patch::cuda {
@@ -129,7 +130,7 @@ struct CudaLamb {
       const optim::LambHyper& h, const at::Tensor& global_grad_norm, float max_grad_norm) {
     const at::Device device = global_grad_norm.device();
     const c10::cuda::CUDAGuard guard(device);
-    TORCH_CHECK(global_grad_norm.numel() == 1 && global_grad_norm.scalar_type() == at::kFloat,
+    AMP_CHECK(global_grad_norm.numel() == 1 && global_grad_norm.scalar_type() == at::kFloat,
                 "amp_patch::", op, ": global_grad_norm must be a one-element float32 tensor, got ",
                 global_grad_norm.scalar_type(), " with ", global_grad_norm.numel(), " elements");
     OptimPlan<4> plan(op, lists, device);
@@ -147,7 +148,7 @@ struct CudaLamb {
     if (n == 0) {
       return {param_norms, update_norms};
     }
-    TORCH_CHECK(n * max_chunks <= INT32_MAX, "amp_patch::", op, ": too many chunks");
+    AMP_CHECK(n * max_chunks <= INT32_MAX, "amp_patch::", op, ": too many chunks");
     float* partials_ptr = partials.data_ptr<float>();
     launch_groups(plan, LambMomentsOp{optim_common(op, flags.noop, flags.inv_scale, device), h,
                                       global_grad_norm.const_data_ptr<float>(), partials_ptr,

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "check.h"
 #include "optim_lists.cuh"
 
 namespace amp_patch::cuda {
@@ -391,11 +392,11 @@ __global__ void __launch_bounds__(kLeanThreads)
 template <size_t S>
 void check_cuda_lists(const char* op, const optim::LeanLists<S>& l, const at::Device& device,
                       int64_t block_size) {
-  TORCH_CHECK(block_size <= std::numeric_limits<int32_t>::max(), "amp_patch::", op,
+  AMP_CHECK(block_size <= std::numeric_limits<int32_t>::max(), "amp_patch::", op,
               ": block_size ", block_size, " is too large for the CUDA kernel");
   auto on_device = [&](const char* name, at::TensorList tensors) {
     for (size_t i = 0; i < tensors.size(); ++i) {
-      TORCH_CHECK(tensors[i].device() == device, "amp_patch::", op, ": expected all tensors on ",
+      AMP_CHECK(tensors[i].device() == device, "amp_patch::", op, ": expected all tensors on ",
                   device, " (the device of grads[0]), but ", name, "[", i, "] is on ",
                   tensors[i].device());
     }
@@ -403,7 +404,7 @@ void check_cuda_lists(const char* op, const optim::LeanLists<S>& l, const at::De
   auto half_or_float = [&](const char* name, at::TensorList tensors) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       const int dt = dtype_index(tensors[i].scalar_type());
-      TORCH_CHECK(dt >= 0 && dt <= 2, "amp_patch::", op, ": ", name, "[", i, "] has dtype ",
+      AMP_CHECK(dt >= 0 && dt <= 2, "amp_patch::", op, ": ", name, "[", i, "] has dtype ",
                   tensors[i].scalar_type(),
                   "; the CUDA kernel takes float32, float16 and bfloat16 ", name);
     }
@@ -420,7 +421,7 @@ void check_cuda_lists(const char* op, const optim::LeanLists<S>& l, const at::De
     on_device(s.name, s.codes);
     for (size_t i = 0; i < s.codes.size(); ++i) {
       if (optim::block_scaled(optim::state_code(s.codes[i].scalar_type()))) {
-        TORCH_CHECK(s.scales[i].device() == device, "amp_patch::", op,
+        AMP_CHECK(s.scales[i].device() == device, "amp_patch::", op,
                     ": expected all tensors on ", device, " (the device of grads[0]), but ",
                     s.scale_name, "[", i, "] is on ", s.scales[i].device());
       }

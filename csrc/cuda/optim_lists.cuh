@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "check.h"
 #include "multi_tensor_apply.cuh"
 #include "tensor_lists.cuh"
 
@@ -170,7 +171,7 @@ class OptimPlan {
       : lists_(lists) {
     const size_t n = lists_[0].tensors.size();
     for (const ListArg& l : lists_) {
-      TORCH_CHECK(l.use == Use::kAbsent || l.tensors.size() == n, "amp_patch::", op,
+      AMP_CHECK(l.use == Use::kAbsent || l.tensors.size() == n, "amp_patch::", op,
                   ": list lengths differ (", lists_[0].name, " has ", n, ", ", l.name, " has ",
                   l.tensors.size(), ")");
       if (l.use != Use::kAbsent) {
@@ -202,7 +203,7 @@ class OptimPlan {
         continue;
       }
       const at::Tensor& t = l.tensors[i];
-      TORCH_CHECK(t.sizes() == lead.sizes(), "amp_patch::", op, ": ", l.name, "[", i,
+      AMP_CHECK(t.sizes() == lead.sizes(), "amp_patch::", op, ": ", l.name, "[", i,
                   "] has shape ", t.sizes(), " but ", lists_[0].name, "[", i, "] has ",
                   lead.sizes());
       if (l.use != Use::kChecked) {
@@ -266,7 +267,7 @@ inline OptimCommon optim_common(const char* op, const std::optional<at::Tensor>&
                                 const at::Device& device) {
   OptimCommon common;
   if (noop.has_value()) {
-    TORCH_CHECK(noop->device() == device && noop->numel() == 1 &&
+    AMP_CHECK(noop->device() == device && noop->numel() == 1 &&
                     (noop->scalar_type() == at::kFloat || noop->scalar_type() == at::kInt),
                 "amp_patch::", op, ": noop must be a one-element float32 or int32 tensor on ",
                 device, ", got ", noop->scalar_type(), " with ", noop->numel(), " elements on ",
@@ -299,7 +300,7 @@ inline std::optional<at::Device> call_device(at::TensorList lead,
 // A per-tensor vector (NovoGrad's grad norms, LAMB's norms) on the call's device.
 inline const float* per_tensor(const char* op, const char* what, const at::Tensor& t, size_t n,
                                const at::Device& device) {
-  TORCH_CHECK(t.device() == device && t.scalar_type() == at::kFloat && t.dim() == 1 &&
+  AMP_CHECK(t.device() == device && t.scalar_type() == at::kFloat && t.dim() == 1 &&
                   static_cast<size_t>(t.numel()) == n && t.is_contiguous(),
               "amp_patch::", op, ": ", what, " must be a contiguous 1-D float32 tensor of ", n,
               " elements (one per tensor) on ", device, ", got ", t.scalar_type(), " of shape ",

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "check.h"
 #include "multi_tensor_apply.cuh"
 
 namespace amp_patch::cuda {
@@ -63,11 +64,11 @@ inline void check_list(
     const char* device_source) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    TORCH_CHECK(
+    AMP_CHECK(
         t.device() == device,
         "amp_patch::", op, ": expected all tensors on ", device, " (the device of ",
         device_source, "), but ", name, "[", i, "] is on ", t.device());
-    TORCH_CHECK(
+    AMP_CHECK(
         dtype_index(t.scalar_type()) >= 0,
         "amp_patch::", op, ": ", name, "[", i, "] has dtype ", t.scalar_type(),
         "; the CUDA kernel takes float32, float16, bfloat16 and float64");
@@ -75,11 +76,11 @@ inline void check_list(
 }
 
 inline void check_pairs(const char* op, at::TensorList a, at::TensorList b) {
-  TORCH_CHECK(
+  AMP_CHECK(
       a.size() == b.size(), "amp_patch::", op, ": list lengths differ (", a.size(), " vs ",
       b.size(), ")");
   for (size_t i = 0; i < a.size(); ++i) {
-    TORCH_CHECK(
+    AMP_CHECK(
         a[i].sizes() == b[i].sizes(), "amp_patch::", op, ": tensor ", i, " has shape ",
         a[i].sizes(), " in the first list but ", b[i].sizes(), " in the second");
   }
@@ -88,10 +89,10 @@ inline void check_pairs(const char* op, at::TensorList a, at::TensorList b) {
 // The one-element flag and scale tensors that the kernels read and write on
 // the device, never through the host.
 inline void check_found_inf(const char* op, const at::Tensor& found_inf) {
-  TORCH_CHECK(
+  AMP_CHECK(
       found_inf.is_cuda(), "amp_patch::", op, ": found_inf must be a CUDA tensor, got ",
       found_inf.device());
-  TORCH_CHECK(
+  AMP_CHECK(
       found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat, "amp_patch::", op,
       ": found_inf must be a one-element float32 tensor, got ", found_inf.scalar_type(),
       " with ", found_inf.numel(), " elements");
@@ -102,10 +103,10 @@ inline void check_inv_scale(
     const at::Tensor& inv_scale,
     const at::Device& device,
     const char* device_source = "found_inf") {
-  TORCH_CHECK(
+  AMP_CHECK(
       inv_scale.device() == device, "amp_patch::", op, ": inv_scale is on ", inv_scale.device(),
       " but ", device_source, " is on ", device);
-  TORCH_CHECK(
+  AMP_CHECK(
       inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat, "amp_patch::", op,
       ": inv_scale must be a one-element float32 tensor, got ", inv_scale.scalar_type(),
       " with ", inv_scale.numel(), " elements");

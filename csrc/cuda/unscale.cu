@@ -8,6 +8,7 @@
 
 #include <vector>
 
+#include "check.h"
 #include "multi_tensor_apply.cuh"
 #include "overlap.h"
 #include "scale_update.h"
@@ -103,7 +104,7 @@ void update_scale_hysteresis_cuda(
     int64_t growth_interval,
     int64_t hysteresis) {
   constexpr const char* op = "update_scale_hysteresis";
-  TORCH_CHECK(
+  AMP_CHECK(
       current_scale.is_cuda(), "amp_patch::", op, ": current_scale must be a CUDA tensor, got ",
       current_scale.device());
   const ScaleState state =

@@ -8,6 +8,7 @@ when one is built, and to the reference body otherwise; the reference bodies in
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -453,6 +454,27 @@ def test_mismatched_lists_raise(device):
         ops.multi_tensor_copy_(a, a[:1])
     with pytest.raises(RuntimeError, match="shape"):
         ops.multi_tensor_unscale_copy_(a, [a[0], torch.zeros(5, device=device)], _flag(device), _scale(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_error_messages_spell_numbers_shapes_and_floats(device):
+    """csrc/check.h builds the kernels' messages without streams, as c10::str would print them.
+
+    Streams crashed the process instead of raising on a GPU image whose compiler linked the C++
+    runtime into amp_patch._C (every message that printed a number), so no check uses them.
+    """
+    if not ops.has_native_kernel(device):
+        pytest.skip("extension not built")
+    x = [torch.ones(2, 3, device=device)]
+    with pytest.raises(RuntimeError, match=re.escape(
+            "multi_tensor_copy_: tensor 0 has shape [2, 3] in the first list but [3, 2] in the second")):
+        torch.ops.amp_patch.multi_tensor_copy_(x, [torch.ones(3, 2, device=device)])
+    with pytest.raises(RuntimeError, match=re.escape("multi_tensor_copy_: list lengths differ (1 vs 0)")):
+        torch.ops.amp_patch.multi_tensor_copy_(x, [])
+    with pytest.raises(RuntimeError, match=re.escape(
+            "multi_tensor_sgd_: momentum is 0.875 but momentum_buffers has 0 tensors for 1 grads")):
+        torch.ops.amp_patch.multi_tensor_sgd_(x, x, [], [], None, None, 0.1, 0.0, 0.875, 0.0, False,
+                                               False, False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
