@@ -213,17 +213,21 @@ def no_workers(monkeypatch):
     (["--nproc", "0"], "--nproc must be at least 1 (ranks per level), got 0"),
     (["--nproc", "-2"], "--nproc must be at least 1 (ranks per level), got -2"),
     (["--strategy", "zero"], "invalid choice: 'zero'"),
-    (["--nproc", "3"], "--nproc 3: the global batch of 8 (the default of --model lm) does not "
+    # --device cpu: on a GPU machine the default device is CUDA, whose rank check comes first.
+    (["--nproc", "3", "--device", "cpu"], "--nproc 3: the global batch of 8 (the default of --model lm) does not "
                        "split evenly over 3 ranks; expected a --batch-size that is a multiple "
                        "of 3"),
-    (["--nproc", "2", "--batch-size", "5"], "the global batch of 5 (--batch-size) does not split"),
-    (["--nproc", "2", "--model", "user_models:odd_batch"],
+    (["--nproc", "2", "--device", "cpu", "--batch-size", "5"], "the global batch of 5 (--batch-size) does not split"),
+    (["--nproc", "2", "--device", "cpu", "--model", "user_models:odd_batch"],
      "the global batch of 7 (the default of --model user_models:odd_batch) does not split"),
     (["--nproc", "2", "--device", "cuda"], "CUDA is not available"),
 ])
 def test_compare_usage_errors_exit_2(args, message, tmp_path, monkeypatch, capsys, no_workers):
     if args[:1] == ["--device"] and args[1].startswith("cuda") and torch.cuda.device_count() > 7:
         pytest.skip("this machine has that CUDA device")
+    if message == "CUDA is not available":  # on any machine, GPU or not
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY) + textwrap.dedent("""
         NOT_CALLABLE = 3
 
