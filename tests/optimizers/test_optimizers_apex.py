@@ -162,8 +162,11 @@ def _round_storage(opt, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_sgd(device, dtype):
     option = {"lr": 0.25, "momentum": 0.125}
+    # fp16 on either device: torch's SGD rounds buf * momentum to half before it adds the grad
+    # (on CUDA too: its foreach ops round after each op), FusedSGD only the stored results, as
+    # Apex's kernel did. Seven such roundings drift past 1e-3 (seen on an H200: 1.22e-3).
     _run([torch.rand(NELEM, dtype=dtype, device=device)], torch.optim.SGD, option, FusedSGD, option,
-         ref_dtype=_half_reference_dtype(device, dtype))
+         ref_dtype=torch.float32 if dtype == torch.float16 else None)
 
 
 # ------------------------------------------------------------ test_lamb.py
