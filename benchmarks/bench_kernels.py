@@ -138,7 +138,10 @@ def measure(device: str, total: int, repeats: int) -> tuple[float, list[Row]]:
     inv = torch.full((1,), 1.0 / 1024.0, device=device)
     torch_unscale = torch._amp_foreach_non_finite_check_and_unscale_
 
-    for dtype, name in [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]:
+    # torch's CUDA unscale takes fp32 and fp16 grads only (GradScaler is for fp16 there), so the
+    # half row is fp16 on CUDA and bf16 on the CPU.
+    half = (torch.float16, "fp16") if device == "cuda" else (torch.bfloat16, "bf16")
+    for dtype, name in [(torch.float32, "fp32"), half]:
         g = _grads(total, dtype, device, seed=1)
         timed("K1", f"multi_tensor_unscale_, {name} grads", "torch._amp_foreach_non_finite_check_and_unscale_",
               0.95, 2 * dtype.itemsize * total,
@@ -211,7 +214,7 @@ def measure(device: str, total: int, repeats: int) -> tuple[float, list[Row]]:
         timed("FB", f"multi_tensor_unscale_, fp32, {N_TENSORS} x 64k", "the reference ops (no _C)",
               None, 8 * FALLBACK_NUMEL * N_TENSORS,
               lambda: ops.multi_tensor_unscale_(fb, found, one),
-              lambda: ops._unscale_ref(fb, found, one))
+              lambda: scaling_ops._unscale_ref(fb, found, one))
         del fb
 
     bandwidths.sort()
