@@ -1,65 +1,108 @@
 #!/usr/bin/env bash
 # Everything a GPU session needs, in one call on a machine with a CUDA GPU and
 # a CUDA build of torch in `python3` (plus nvcc, ninja, pytest, hypothesis):
-# build amp_patch with its CUDA kernels, run the test suite (CUDA cases
-# included) and the kernel benchmarks.
-# Logs and docs/benchmarks.md are copied to $OUT (default out/gpu_session).
+# build amp_patch with its CUDA kernels, run the CUDA cases of the test suite,
+# the kernel and optimizer benchmarks, and O0-O3 training on CUDA in fp16 with
+# loss scaling (bench_e2e, amp-patch compare).
 #
-#   bash benchmarks/gpu_session.sh          # from the repository root
-#   PYTEST_MARK="not slow" bash benchmarks/gpu_session.sh   # if time is short
+#   bash benchmarks/gpu_session.sh                   # from the repository root
+#   BUDGET=300 bash benchmarks/gpu_session.sh        # seconds for the whole run
+#   STEPS="install pytest" bash benchmarks/gpu_session.sh   # only these steps
+#   PYTEST_K="lean" PYTEST_MARK="" bash benchmarks/gpu_session.sh   # pytest -k, -m (default: "cuda or ops", "not slow")
 #
-# Every step runs even if an earlier one failed (except the build); the exit
-# status is non-zero if any failed.
-set -euo pipefail
+# Device time is short, so the run keeps to BUDGET seconds (default 420): each
+# step gets at most its own cap and what is left of the budget, and a step
+# that runs out is stopped and counted as failed. Every step runs even if an
+# earlier one failed (except the build); the exit status is non-zero if any
+# failed. Logs, one per step, go to $OUT/logs.tgz with docs/benchmarks.md and
+# a summary beside it ($OUT defaults to out/gpu_session).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-out/gpu_session}
+LOGS=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-export MAX_JOBS=${MAX_JOBS:-16}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+BUDGET=${BUDGET:-420}
+STEPS=${STEPS:-"env install resources kernels pytest optimizers e2e compare"}
+START=$SECONDS
 failed=()
+summary=()
 
-# step NAME CMD...: runs CMD, its output shown and saved as $OUT/NAME.log.
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
+
+# step NAME CAP CMD...: runs CMD for at most CAP seconds (and no longer than the
+# budget leaves), its output shown and saved as $LOGS/NAME.log.
 step() {
-  local name=$1
-  shift
-  echo "=== $name: $*"
-  if ! "$@" 2>&1 | tee "$OUT/$name.log"; then
-    echo "=== $name FAILED"
+  local name=$1 cap=$2
+  shift 2
+  wanted "$name" || return 0
+  local left=$((BUDGET - (SECONDS - START)))
+  ((cap > left)) && cap=$left
+  if ((cap < 10)); then
+    echo "=== $name: skipped, the budget is spent"
+    summary+=("$name: skipped (budget)")
     failed+=("$name")
+    return 0
   fi
+  echo "=== $name (at most ${cap}s): $*"
+  local t0=$SECONDS rc=0
+  timeout --kill-after=5 "$cap" "$@" >"$LOGS/$name.log" 2>&1 || rc=$?
+  tail -n 25 "$LOGS/$name.log"
+  local how="ok"
+  if ((rc == 124 || rc == 137)); then how="TIMED OUT"; elif ((rc)); then how="FAILED rc=$rc"; fi
+  ((rc)) && failed+=("$name")
+  summary+=("$name: $how in $((SECONDS - t0))s")
+  echo "=== $name: $how in $((SECONDS - t0))s"
 }
 
 environment() {
   nvidia-smi
   nvcc --version
+  nproc
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
 }
 
-step env environment
-step install python3 -m pip install --no-deps --no-build-isolation -e .
+finish() {
+  cp docs/benchmarks.md "$OUT/" 2>/dev/null
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+  {
+    printf '%s\n' "${summary[@]}"
+    grep -h -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$LOGS"/pytest.log 2>/dev/null | head -60
+  } | tee "$OUT/summary.txt"
+  if ((${#failed[@]})); then
+    echo "=== failed: ${failed[*]}"
+    exit 1
+  fi
+  echo "=== all steps passed"
+}
+
+export -f environment  # timeout runs programs, not functions
+step env 30 bash -c environment
+# AMP_PATCH_BUILD_EXT=1: compile amp_patch._C (its CUDA kernels too) now, with
+# MAX_JOBS compilers, rather than just in time inside the tests.
+step install 300 env AMP_PATCH_BUILD_EXT=1 python3 -m pip install -v --no-deps --no-build-isolation -e .
 if [[ " ${failed[*]} " == *" install "* ]]; then
-  exit 1
+  finish
 fi
 if command -v cuobjdump >/dev/null; then
-  step resources cuobjdump --dump-resource-usage "$(python3 -c 'import amp_patch._C as m; print(m.__file__)')"
+  step resources 20 cuobjdump --dump-resource-usage "$(python3 -c 'import amp_patch._C as m; print(m.__file__)')"
 fi
+step kernels 60 python3 benchmarks/bench_kernels.py --device cuda
 # No -x: one failing case must not hide the others. The CUDA cases of
 # tests/ops/test_ops.py cover the launcher's table flushes, a tensor split across
 # launches, 2**31+ elements, streams, graph capture, denormals and alignment.
-pytest_args=(tests -q -rfEs)
-if [[ -n ${PYTEST_MARK:-} ]]; then
-  pytest_args+=(-m "$PYTEST_MARK")
+pytest_args=(tests -q -rfE -p no:cacheprovider -k "${PYTEST_K:-cuda or ops}")
+if [[ -n ${PYTEST_MARK-not slow} ]]; then
+  pytest_args+=(-m "${PYTEST_MARK-not slow}")
 fi
-step pytest env AMP_PATCH_REQUIRE_EXT=1 python3 -m pytest "${pytest_args[@]}"
-step bench python3 benchmarks/bench_kernels.py --device cuda
-if [[ -f docs/benchmarks.md ]]; then
-  cp docs/benchmarks.md "$OUT/"
+if python3 -c 'import xdist' 2>/dev/null; then
+  pytest_args+=(-n "${PYTEST_WORKERS:-8}")
 fi
-
-if ((${#failed[@]})); then
-  echo "=== failed: ${failed[*]}"
-  exit 1
-fi
-echo "=== all steps passed"
+step pytest 180 env AMP_PATCH_REQUIRE_EXT=1 python3 -m pytest "${pytest_args[@]}"
+step optimizers 60 python3 benchmarks/bench_optimizers.py --device cuda --repeats 5
+step e2e 90 python3 benchmarks/bench_e2e.py --device cuda --half-dtype fp16 --rounds 3 --steps 2
+step compare 60 python3 -m amp_patch compare --device cuda --half-dtype fp16 --steps 60 --out "$LOGS/compare"
+finish
