@@ -9,12 +9,13 @@ the scaler, the optimizer machinery, FSDP preparation and gradient clipping.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["GroupKey", "local_tensor", "local_tensors", "group_by_device_and_dtype"]
+__all__ = ["GroupKey", "local_tensor", "local_tensors", "group_by_device_and_dtype", "shard_groups",
+           "sum_over_shards"]
 
 #: The key of one group: the device and dtype of its tensors.
 GroupKey = tuple[torch.device, torch.dtype]
@@ -107,3 +108,56 @@ def group_by_device_and_dtype(*lists: Sequence[Tensor]) -> dict[GroupKey, tuple[
         for out, lst in zip(bucket, lists):
             out.append(lst[i])
     return groups
+
+
+def shard_groups(t: Tensor) -> tuple[Any, ...]:
+    """The process groups over which ``t`` is split: those of its mesh's sharded dims.
+
+    A DTensor of FSDP2 is sharded on its mesh's one dim (two with HSDP, where the
+    other replicates); a sum over the whole tensor is the sum of its shards'
+    over these groups. Any other tensor (DDP's replicas, a plain model) is whole.
+
+    Args:
+        t (Tensor): a tensor, or a :class:`~torch.distributed.tensor.DTensor`.
+
+    Returns:
+        tuple of ProcessGroup: one per sharded mesh dim; ``()`` when ``t`` is whole.
+
+    Example::
+
+        >>> shard_groups(torch.ones(3))
+        ()
+    """
+    if local_tensor(t) is t:
+        return ()
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    return tuple(mesh.get_group(dim) for dim, placement in enumerate(t.placements)  # type: ignore[attr-defined]
+                 if placement.is_shard())
+
+
+def sum_over_shards(parts: Tensor, groups: tuple[Any, ...], op: str = "sum") -> Tensor:
+    """``parts`` combined over ``groups`` (:func:`shard_groups`) in place: one all-reduce each.
+
+    Every rank holding shards of the same tensors calls it with the same
+    ``groups``, so the collectives match across ranks.
+
+    Args:
+        parts (Tensor): this rank's partial results (sums of squares, or maxima).
+        groups (tuple of ProcessGroup): the groups to reduce over; ``()`` does nothing.
+        op (str, optional): ``"sum"`` or ``"max"``. Default: ``"sum"``.
+
+    Returns:
+        Tensor: ``parts``, reduced.
+
+    Example::
+
+        >>> sum_over_shards(torch.ones(2), ())
+        tensor([1., 1.])
+    """
+    if groups:
+        import torch.distributed as dist
+
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        for group in groups:
+            dist.all_reduce(parts, op=reduce_op, group=group)
+    return parts

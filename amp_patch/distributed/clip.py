@@ -11,7 +11,7 @@ from torch import Tensor
 from amp_patch import ops, session as _session
 from amp_patch.amp_optimizer import OPTIMIZER_TYPES, underlying_optimizer
 from amp_patch.loss_scaling import master_params
-from amp_patch.tensors import group_by_device_and_dtype, local_tensor
+from amp_patch.tensors import group_by_device_and_dtype, local_tensor, shard_groups, sum_over_shards
 
 __all__ = ["clip_grad_norm_"]
 
@@ -70,15 +70,13 @@ def clip_grad_norm_(optimizer_or_params, max_norm: float, norm_type: float = 2.0
     # gradient (DDP, or none at all) counts once.
     by_groups: dict[tuple, list[Tensor]] = {}
     for g in grads:
-        by_groups.setdefault(_shard_groups(g), []).append(g)
+        by_groups.setdefault(shard_groups(g), []).append(g)
     device = local_tensor(grads[0]).device
     inf = math.isinf(norm_type)
     total = None
     for groups, members in by_groups.items():
         part = _partial(members, norm_type).to(device)  # sum of |g|**p, or max |g| for inf
-        for group in groups:
-            torch.distributed.all_reduce(part, op=torch.distributed.ReduceOp.MAX if inf
-                                         else torch.distributed.ReduceOp.SUM, group=group)
+        sum_over_shards(part, groups, "max" if inf else "sum")
         total = part if total is None else (torch.maximum(total, part) if inf else total + part)
     # sqrt(fl(x * x)) is x again in binary floating point: one unsharded group loses nothing.
     total_norm = total if inf else total.sqrt() if norm_type == 2.0 else total.pow(1.0 / norm_type)
@@ -112,15 +110,6 @@ def _tensors(optimizer_or_params) -> list[Tensor]:
                     "hold the unscaled gradients; pass the optimizer "
                     "(amp.clip_grad_norm_(optimizer, max_norm)) or amp.master_params(optimizer)")
     return params
-
-
-def _shard_groups(grad: Tensor) -> tuple:
-    """The process groups over which a gradient is split: those of its mesh's sharded dims."""
-    if local_tensor(grad) is grad:
-        return ()
-    mesh = grad.device_mesh
-    return tuple(mesh.get_group(dim) for dim, placement in enumerate(grad.placements)
-                 if placement.is_shard())
 
 
 def _partial(grads: list[Tensor], norm_type: float) -> Tensor:
