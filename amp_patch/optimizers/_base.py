@@ -28,6 +28,7 @@ from amp_patch import ops
 from amp_patch.dtypes import HALF_DTYPES
 from amp_patch.optimizers import state_format as _formats
 from amp_patch.optimizers.state_format import SCALE_SUFFIX, StateFormat
+from amp_patch.tensors import local_tensors, shard_groups, sum_over_shards
 
 logger = logging.getLogger("amp_patch")
 
@@ -340,18 +341,23 @@ class FusedOptimizer(torch.optim.Optimizer):
         For all groups it comes from the step inputs' ``grad_norms`` when they have it, else
         from one :func:`amp_patch.ops.multi_tensor_l2norm` per device over the grads in
         ``param_groups`` order. The grads are as stored: ``inv_scale`` is applied by the
-        kernel that uses the norm.
+        kernel that uses the norm. Sharded grads (FSDP2's DTensors) give the norm of the
+        whole grads: each rank's squared norm of its shards, summed over their process groups
+        (:func:`~amp_patch.tensors.sum_over_shards`), on every rank alike.
         """
+        per_device: dict[torch.device, list[Tensor]] = {}
+        for group in self.param_groups if groups is None else groups:
+            for p in group["params"]:
+                grad = self._grad_of(p)
+                if grad is not None:
+                    per_device.setdefault(p.device, []).append(grad)
+        sharded = any(shard_groups(g) for grads in per_device.values() for g in grads)
         given = self._inputs.grad_norms if self._inputs is not None and groups is None else None
-        if given is not None:
+        if given is not None and not sharded:  # the check's norms are each rank's own
             norms = dict(given)
+        elif sharded:
+            norms = {dev: _sharded_norm(grads) for dev, grads in per_device.items()}
         else:
-            per_device: dict[torch.device, list[Tensor]] = {}
-            for group in self.param_groups if groups is None else groups:
-                for p in group["params"]:
-                    grad = self._grad_of(p)
-                    if grad is not None:
-                        per_device.setdefault(p.device, []).append(grad)
             norms = {dev: ops.multi_tensor_l2norm(grads)[0] for dev, grads in per_device.items()}
         if len(norms) > 1:
             first = next(iter(norms))
@@ -455,3 +461,56 @@ def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
     if t is None or t.device == device:
         return t
     return t.to(device, non_blocking=True)
+
+
+def _sharded_norm(grads: list[Tensor]) -> Tensor:
+    """The L2 norm of ``grads`` as whole tensors, from this rank's shards of the sharded ones."""
+    by_groups: dict[tuple, list[Tensor]] = {}
+    for g in grads:
+        by_groups.setdefault(shard_groups(g), []).append(g)
+    total = None
+    for groups, members in by_groups.items():
+        part = ops.multi_tensor_l2norm(local_tensors(members))[0].float().square()
+        sum_over_shards(part, groups)
+        total = part if total is None else total + part
+    return total.sqrt()  # type: ignore[union-attr]
+
+
+def whole_tensor_norms(norms: Tensor, tensors: list[Tensor], op: str = "l2") -> Tensor:
+    """Per-tensor norms of whole tensors from those of this rank's shards.
+
+    ``norms[..., i]`` is the norm of ``tensors[i]``'s local shard (FSDP2's DTensors; a
+    whole tensor is its own shard). For each sharded tensor the squares of its shards'
+    L2 norms are summed over its process groups (``op="max"``: the maxima taken), one
+    all-reduce per set of groups; whole tensors keep their norms, and with no sharded
+    tensor ``norms`` comes back as it is.
+
+    Args:
+        norms (Tensor): fp32, the tensors along the last dim (rows of several norms allowed).
+        tensors (list of Tensor): the tensors, in the order of the last dim.
+        op (str, optional): ``"l2"`` or ``"max"``. Default: ``"l2"``.
+
+    Returns:
+        Tensor: the whole tensors' norms.
+
+    Example::
+
+        >>> whole_tensor_norms(torch.tensor([3.0, 4.0]), [torch.ones(2), torch.ones(3)])
+        tensor([3., 4.])
+    """
+    by_groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups = shard_groups(t)
+        if groups:
+            by_groups.setdefault(groups, []).append(i)
+    if not by_groups:
+        return norms
+    out = norms.clone()
+    for groups, members in by_groups.items():
+        index = torch.tensor(members, device=norms.device)
+        part = norms.index_select(-1, index)
+        if op == "max":
+            out.index_copy_(-1, index, sum_over_shards(part, groups, "max"))
+        else:
+            out.index_copy_(-1, index, sum_over_shards(part.square(), groups).sqrt())
+    return out

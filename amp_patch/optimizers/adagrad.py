@@ -6,6 +6,7 @@ from typing import Any
 
 from amp_patch import ops
 from amp_patch.optimizers._base import FusedOptimizer
+from amp_patch.tensors import local_tensors
 
 __all__ = ["FusedAdagrad"]
 
@@ -52,7 +53,10 @@ class FusedAdagrad(FusedOptimizer):
     def _fused_step(self) -> None:
         for group in self.param_groups:
             for b in self._batches(group):
+                # Elementwise: FSDP2's DTensors hand in their local shards, and that is all.
+                sums = [self._state_tensor(p, "sum") for p in b.keys]
                 ops.multi_tensor_adagrad_(
-                    b.grads, b.params, [self._state_tensor(p, "sum") for p in b.keys],
-                    b.model_params, b.noop, b.inv_scale, lr=group["lr"], eps=group["eps"],
-                    weight_decay=group["weight_decay"], adagrad_w_mode=bool(self.adagrad_w_mode))
+                    local_tensors(b.grads), local_tensors(b.params), local_tensors(sums),
+                    local_tensors(b.model_params), b.noop, b.inv_scale, lr=group["lr"],
+                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    adagrad_w_mode=bool(self.adagrad_w_mode))

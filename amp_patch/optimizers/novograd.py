@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.optimizers._base import FusedOptimizer, _Batch
+from amp_patch.optimizers._base import FusedOptimizer, _Batch, whole_tensor_norms
+from amp_patch.tensors import local_tensors
 
 __all__ = ["FusedNovoGrad"]
 
@@ -90,9 +91,12 @@ class FusedNovoGrad(FusedOptimizer):
             step = self._next_step(group)
             beta1, beta2 = group["betas"]
             for b in self._batches(group):
+                # The ops take plain tensors: FSDP2's DTensors hand in their local shards (and
+                # _blend_norms takes the whole tensors' norms).
+                m = [self._state_tensor(p, "exp_avg") for p in b.keys]
                 ops.multi_tensor_novograd_(
-                    b.grads, b.params, [self._state_tensor(p, "exp_avg") for p in b.keys],
-                    self._blend_norms(group, b), b.model_params, b.noop, b.inv_scale,
+                    local_tensors(b.grads), local_tensors(b.params), local_tensors(m),
+                    self._blend_norms(group, b), local_tensors(b.model_params), b.noop, b.inv_scale,
                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=step,
                     bias_correction=bool(group["bias_correction"]),
@@ -101,10 +105,13 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _blend_norms(self, group: dict[str, Any], b: _Batch) -> Tensor:
         """Blend this step's grad norms into the batch's second moments; return them stacked."""
+        grads = local_tensors(b.grads)
         if group["norm_type"] == 2:
-            norms = ops.multi_tensor_l2norm(b.grads, per_tensor=True)[1]
+            norms = whole_tensor_norms(ops.multi_tensor_l2norm(grads, per_tensor=True)[1], b.grads)
         else:
-            norms = torch.stack([n.float() for n in torch._foreach_norm(b.grads, float("inf"))])
+            norms = whole_tensor_norms(
+                torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]),
+                b.grads, op="max")
         if b.inv_scale is not None:
             norms = norms * b.inv_scale.reshape(())
         beta2 = group["betas"][1]

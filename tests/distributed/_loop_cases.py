@@ -359,6 +359,11 @@ LEAN = {
     "sgd-fp8-mwTrue": ("FusedSGD", dict(lr=0.05, momentum=0.9), "fp8", True),
     # The fused optimizer's own fp32 state on FSDP2 (its ops take the local shards too).
     "adamw-fp32-mwTrue": ("FusedAdam", dict(lr=1e-2, weight_decay=0.01), "fp32", True),
+    "adagrad-fp32-mwTrue": ("FusedAdagrad", dict(lr=1e-2, weight_decay=0.01), "fp32", True),
+    # LAMB's trust ratio and NovoGrad's moments take norms of whole tensors: summed over shards.
+    "lamb-fp32-mwTrue": ("FusedLAMB", dict(lr=1e-2, weight_decay=0.01), "fp32", True),
+    "lamb-int8-mwbf16": ("FusedLAMB", dict(lr=1e-2, weight_decay=0.01), "int8", "bf16"),
+    "novograd-fp32-mwTrue": ("FusedNovoGrad", dict(lr=1e-2, weight_decay=0.01), "fp32", True),
 }
 
 
@@ -433,6 +438,8 @@ def _check_lean_sharding(run: LeanRun) -> int:
         for key, value in run.opt.state[p].items():
             if not isinstance(value, torch.Tensor) or key == "step" or key.endswith("_scale"):
                 continue
+            if value.dim() == 0:  # NovoGrad's second moment: one norm per tensor, every rank's
+                continue
             assert isinstance(value, DTensor) and value.placements == p.placements, key
             assert value.shape == p.shape, (key, value.shape, p.shape)
             if value.dtype not in SCALED_CODES:
@@ -466,7 +473,8 @@ def lean_case(ctx: dc.Ctx, setting: str) -> None:
     _same_bits(before, run.snapshot(), "the skipped step")
     assert amp.state_dict()["loss_scaler0"]["skipped"] == 1
     run.step(2)
-    scaled = 0 if LEAN[setting][2] == "fp32" else 4 if setting.startswith("adam") else 2
+    sgd = setting.startswith("sgd")
+    scaled = 0 if LEAN[setting][2] == "fp32" else 2 if sgd else 4  # one buffer, or two moments
     assert _check_lean_sharding(run) == scaled  # the two large weights' moments or buffers
     # bf16 masters of a bf16 model are the bf16 shards themselves; fp32 ones are fp32 shards.
     masters = {p.dtype for p in amp.master_params(run.opt)}
@@ -479,9 +487,9 @@ def lean_case(ctx: dc.Ctx, setting: str) -> None:
     lr = run.opt.param_groups[0]["lr"]
     for i, (p, r) in enumerate(zip(amp.master_params(run.opt), ref_stepped)):
         full = dc.full(p)
-        if setting.startswith("adam"):
-            # Adam steps a grad near 0 by about lr either way: where the sign of m differs
-            # (reduction order), an element is a step or two apart.
+        if not sgd:
+            # Adam and the others step a grad near 0 by about lr either way: where its sign
+            # differs (reduction order), an element is a step or two apart.
             diff = (full.float() - r.float()).abs()
             assert diff.max() <= 4 * lr and diff.mean() < lr / 10, (i, diff.max(), diff.mean())
         else:
@@ -490,7 +498,7 @@ def lean_case(ctx: dc.Ctx, setting: str) -> None:
     amp.deinitialize()
 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    first = "exp_avg" if setting.startswith("adam") else "momentum_buffer"
+    first = "momentum_buffer" if sgd else "exp_avg"
     if scaled:
         assert tuple(saved[f"optimizer.state.2.weight.{first}_scale"].size) == (16, 2)
         assert tuple(saved[f"optimizer.state.0.weight.{first}_scale"].size) == (512, 1)
@@ -503,6 +511,47 @@ def lean_case(ctx: dc.Ctx, setting: str) -> None:
 
 for _setting in LEAN:
     CASES[f"lean:fsdp2:{_setting}"] = lambda ctx, _s=_setting: lean_case(ctx, _s)
+
+
+#: Optimizers whose step takes norms of whole tensors: name -> arguments. max_grad_norm 0.5 makes
+#: LAMB clip by the global grad norm too.
+NORMED = {
+    "FusedLAMB": dict(lr=0.1, weight_decay=0.01, max_grad_norm=0.5),
+    "FusedLAMB-nvlamb": dict(lr=0.1, weight_decay=0.0, use_nvlamb=True),
+    "FusedNovoGrad": dict(lr=0.1, weight_decay=0.01),
+    "FusedNovoGrad-max": dict(lr=0.1, norm_type=0),
+}
+
+
+def normed_case(ctx: dc.Ctx, name: str) -> None:
+    """Two steps on DTensor shards (Shard(0), uneven: 7 rows over the ranks) equal the same steps
+    on the whole tensors to fp32 reduction-order error: the global grad norm, LAMB's trust-ratio
+    norms and NovoGrad's per-tensor norms are taken over the whole tensors, not the shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from amp_patch import optimizers
+
+    mesh = init_device_mesh("cpu", (ctx.world,))
+    g = torch.Generator().manual_seed(3)
+    fulls = [torch.randn(7, 5, generator=g), torch.randn(6, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) * 4 for t in fulls] for _ in range(2)]
+    cls, kwargs = getattr(optimizers, name.split("-")[0]), NORMED[name]
+    whole = [nn.Parameter(t.clone()) for t in fulls]
+    shards = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in fulls]
+    for params, sharded in ((whole, False), (shards, True)):
+        opt = cls(params, **kwargs)
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = distribute_tensor(gr.clone(), mesh, [Shard(0)]) if sharded else gr.clone()
+            opt.step()
+    for i, (w, s, start) in enumerate(zip(whole, shards, fulls)):
+        moved, want = dc.full(s.detach()) - start, w.detach() - start
+        torch.testing.assert_close(moved, want, rtol=1e-5, atol=1e-7, msg=f"{name} param {i}")
+
+
+for _name in NORMED:
+    CASES[f"normed:{_name}"] = lambda ctx, _n=_name: normed_case(ctx, _n)
 
 
 # --------------------------------------------------------------------------- the debug mode

@@ -74,6 +74,14 @@ def test_fsdp2_shards_lean_optimizer_state(setting, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(_loop_cases.NORMED))
+def test_sharded_norms_are_the_whole_tensors(name, tmp_path_factory):
+    """FusedLAMB and FusedNovoGrad on FSDP2's shards step as on the whole tensors: their grad,
+    trust-ratio and per-tensor norms are summed over the shards."""
+    _check(f"normed:{name}", tmp_path_factory)
+
+
+@pytest.mark.slow
 def test_debug_ranks_names_the_decision(tmp_path_factory):
     """A cast or a loss scale on one rank only: RanksDisagreeError names it, before backward."""
     _check("debug_names_the_decision", tmp_path_factory)
