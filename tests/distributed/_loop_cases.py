@@ -520,6 +520,7 @@ NORMED = {
     "FusedLAMB-nvlamb": dict(lr=0.1, weight_decay=0.0, use_nvlamb=True),
     "FusedNovoGrad": dict(lr=0.1, weight_decay=0.01),
     "FusedNovoGrad-max": dict(lr=0.1, norm_type=0),
+    "FusedMixedPrecisionLamb": dict(lr=0.1, weight_decay=0.01, max_grad_norm=0.5),
 }
 
 
