@@ -14,6 +14,11 @@ ratio ``||p|| / ||u||``. That ratio needs the norm of the whole tensor's update
 Before them, one :func:`amp_patch.ops.multi_tensor_l2norm` over every grad of
 the optimizer gives the global norm for clipping (``max_grad_norm``); in amp's
 one-pass O2 step it comes with the step inputs, from the overflow check.
+
+On FSDP2's shards (DTensors) the ops step each rank's local shards, and both
+kinds of norm are those of the whole tensors: the squares of the shards' norms
+are summed over the shards' process group, one all-reduce for the grad norm and
+one for the trust-ratio norms per step (docs/distributed.md).
 """
 
 from __future__ import annotations
