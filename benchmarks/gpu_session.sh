@@ -10,7 +10,7 @@
 #   STEPS="install pytest" bash benchmarks/gpu_session.sh   # only these steps
 #   PYTEST_K="lean" PYTEST_MARK="" bash benchmarks/gpu_session.sh   # pytest -k, -m (default: "cuda or ops", "not slow")
 #
-# Device time is short, so the run keeps to BUDGET seconds (default 420): each
+# Device time is short, so the run keeps to BUDGET seconds (default 480): each
 # step gets at most its own cap and what is left of the budget, and a step
 # that runs out is stopped and counted as failed. Every step runs even if an
 # earlier one failed (except the build); the exit status is non-zero if any
@@ -25,7 +25,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-BUDGET=${BUDGET:-420}
+BUDGET=${BUDGET:-480}
 STEPS=${STEPS:-"env install resources kernels pytest optimizers e2e compare"}
 START=$SECONDS
 failed=()
@@ -101,7 +101,7 @@ fi
 if python3 -c 'import xdist' 2>/dev/null; then
   pytest_args+=(-n "${PYTEST_WORKERS:-8}")
 fi
-step pytest 180 env AMP_PATCH_REQUIRE_EXT=1 python3 -m pytest "${pytest_args[@]}"
+step pytest 240 env AMP_PATCH_REQUIRE_EXT=1 python3 -m pytest "${pytest_args[@]}"
 # 200 M parameters: at the CPU's default 20 M, torch's own fused AdamW took 3.3 times the
 # bandwidth floor on an H200, so the steps there measure host work, not the kernels.
 step optimizers 90 python3 benchmarks/bench_optimizers.py --device cuda --repeats 5 --params 2e8
