@@ -521,6 +521,9 @@ NORMED = {
     "FusedNovoGrad": dict(lr=0.1, weight_decay=0.01),
     "FusedNovoGrad-max": dict(lr=0.1, norm_type=0),
     "FusedMixedPrecisionLamb": dict(lr=0.1, weight_decay=0.01, max_grad_norm=0.5),
+    # bf16 params stepped through fp32 masters: the masters are compared.
+    "FusedMixedPrecisionLamb-bf16": dict(lr=0.1, weight_decay=0.01, max_grad_norm=0.5,
+                                         reduced_precision_dtype=torch.bfloat16),
 }
 
 
@@ -538,16 +541,23 @@ def normed_case(ctx: dc.Ctx, name: str) -> None:
     fulls = [torch.randn(7, 5, generator=g), torch.randn(6, generator=g)]
     grads = [[torch.randn(t.shape, generator=g) * 4 for t in fulls] for _ in range(2)]
     cls, kwargs = getattr(optimizers, name.split("-")[0]), NORMED[name]
-    whole = [nn.Parameter(t.clone()) for t in fulls]
-    shards = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in fulls]
+    dtype = kwargs.get("reduced_precision_dtype", torch.float32)
+    fulls = [t.to(dtype).float() for t in fulls]  # the masters start as the half params
+    whole = [nn.Parameter(t.to(dtype, copy=True)) for t in fulls]
+    shards = [nn.Parameter(distribute_tensor(t.to(dtype, copy=True), mesh, [Shard(0)]))
+              for t in fulls]
+    stepped = {}
     for params, sharded in ((whole, False), (shards, True)):
         opt = cls(params, **kwargs)
         for step_grads in grads:
             for p, gr in zip(params, step_grads):
-                p.grad = distribute_tensor(gr.clone(), mesh, [Shard(0)]) if sharded else gr.clone()
+                gr = gr.to(dtype, copy=True)
+                p.grad = distribute_tensor(gr, mesh, [Shard(0)]) if sharded else gr
             opt.step()
-    for i, (w, s, start) in enumerate(zip(whole, shards, fulls)):
-        moved, want = dc.full(s.detach()) - start, w.detach() - start
+        stepped[sharded] = [opt.state[p]["master_param"] if dtype != torch.float32 else p.detach()
+                            for p in params]
+    for i, (w, s, start) in enumerate(zip(stepped[False], stepped[True], fulls)):
+        moved, want = dc.full(s) - start, w - start
         torch.testing.assert_close(moved, want, rtol=1e-5, atol=1e-7, msg=f"{name} param {i}")
 
 
