@@ -345,20 +345,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         whole grads: each rank's squared norm of its shards, summed over their process groups
         (:func:`~amp_patch.tensors.sum_over_shards`), on every rank alike.
         """
-        per_device: dict[torch.device, list[Tensor]] = {}
+        # device -> shard groups (() for whole grads) -> grads, in param_groups order.
+        per_device: dict[torch.device, dict[tuple[Any, ...], list[Tensor]]] = {}
         for group in self.param_groups if groups is None else groups:
             for p in group["params"]:
                 grad = self._grad_of(p)
                 if grad is not None:
-                    per_device.setdefault(p.device, []).append(grad)
-        sharded = any(shard_groups(g) for grads in per_device.values() for g in grads)
+                    by_groups = per_device.setdefault(p.device, {})
+                    by_groups.setdefault(shard_groups(grad), []).append(grad)
+        sharded = any(key for by_groups in per_device.values() for key in by_groups)
         given = self._inputs.grad_norms if self._inputs is not None and groups is None else None
         if given is not None and not sharded:  # the check's norms are each rank's own
             norms = dict(given)
-        elif sharded:
-            norms = {dev: _sharded_norm(grads) for dev, grads in per_device.items()}
         else:
-            norms = {dev: ops.multi_tensor_l2norm(grads)[0] for dev, grads in per_device.items()}
+            norms = {dev: _grad_norm(by_groups) for dev, by_groups in per_device.items()}
         if len(norms) > 1:
             first = next(iter(norms))
             total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms.values()]))
@@ -463,11 +463,14 @@ def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
     return t.to(device, non_blocking=True)
 
 
-def _sharded_norm(grads: list[Tensor]) -> Tensor:
-    """The L2 norm of ``grads`` as whole tensors, from this rank's shards of the sharded ones."""
-    by_groups: dict[tuple, list[Tensor]] = {}
-    for g in grads:
-        by_groups.setdefault(shard_groups(g), []).append(g)
+def _grad_norm(by_groups: dict[tuple[Any, ...], list[Tensor]]) -> Tensor:
+    """The L2 norm of one device's grads, keyed by their shard groups: of the whole grads.
+
+    Whole grads alone take one multi_tensor_l2norm; sharded ones add their squared norm
+    summed over their shards' groups (:func:`~amp_patch.tensors.sum_over_shards`).
+    """
+    if list(by_groups) == [()]:
+        return ops.multi_tensor_l2norm(by_groups[()])[0]
     total = None
     for groups, members in by_groups.items():
         part = ops.multi_tensor_l2norm(local_tensors(members))[0].float().square()
@@ -476,41 +479,42 @@ def _sharded_norm(grads: list[Tensor]) -> Tensor:
     return total.sqrt()  # type: ignore[union-attr]
 
 
-def whole_tensor_norms(norms: Tensor, tensors: list[Tensor], op: str = "l2") -> Tensor:
+def whole_tensor_norms(tensors: list[Tensor], *norms: Tensor, op: str = "l2",
+                       ) -> tuple[Tensor, ...]:
     """Per-tensor norms of whole tensors from those of this rank's shards.
 
-    ``norms[..., i]`` is the norm of ``tensors[i]``'s local shard (FSDP2's DTensors; a
-    whole tensor is its own shard). For each sharded tensor the squares of its shards'
-    L2 norms are summed over its process groups (``op="max"``: the maxima taken), one
-    all-reduce per set of groups; whole tensors keep their norms, and with no sharded
-    tensor ``norms`` comes back as it is.
+    ``n[i]`` of each of ``norms`` is the norm of ``tensors[i]``'s local shard (FSDP2's
+    DTensors; a whole tensor is its own shard). For each sharded tensor the squares of its
+    shards' L2 norms are summed over its process groups (``op="max"``: the maxima taken),
+    all of ``norms`` in one all-reduce per set of groups. Whole tensors keep their norms,
+    and with no sharded tensor ``norms`` come back as they are.
 
     Args:
-        norms (Tensor): fp32, the tensors along the last dim (rows of several norms allowed).
-        tensors (list of Tensor): the tensors, in the order of the last dim.
+        tensors (list of Tensor): the tensors.
+        *norms (Tensor): fp32, one norm per tensor each.
         op (str, optional): ``"l2"`` or ``"max"``. Default: ``"l2"``.
 
     Returns:
-        Tensor: the whole tensors' norms.
+        tuple of Tensor: the whole tensors' norms, one per tensor of ``norms``.
 
     Example::
 
-        >>> whole_tensor_norms(torch.tensor([3.0, 4.0]), [torch.ones(2), torch.ones(3)])
-        tensor([3., 4.])
+        >>> whole_tensor_norms([torch.ones(2), torch.ones(3)], torch.tensor([3.0, 4.0]))
+        (tensor([3., 4.]),)
     """
-    by_groups: dict[tuple, list[int]] = {}
+    by_groups: dict[tuple[Any, ...], list[int]] = {}
     for i, t in enumerate(tensors):
         groups = shard_groups(t)
         if groups:
             by_groups.setdefault(groups, []).append(i)
     if not by_groups:
         return norms
-    out = norms.clone()
+    out = torch.stack(norms)
     for groups, members in by_groups.items():
-        index = torch.tensor(members, device=norms.device)
-        part = norms.index_select(-1, index)
+        index = torch.tensor(members, device=out.device)
+        part = out.index_select(-1, index)
         if op == "max":
             out.index_copy_(-1, index, sum_over_shards(part, groups, "max"))
         else:
             out.index_copy_(-1, index, sum_over_shards(part.square(), groups).sqrt())
-    return out
+    return tuple(out.unbind(0))

@@ -31,7 +31,7 @@ from torch import Tensor
 from amp_patch import ops
 from amp_patch.ops.lean_state_ops import decode, encode, random_bits, stochastic_round_bf16
 from amp_patch.optimizers._base import FusedOptimizer, _Batch, whole_tensor_norms
-from amp_patch.tensors import local_tensor, local_tensors, shard_groups
+from amp_patch.tensors import local_tensor, local_tensors
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
 
@@ -69,9 +69,10 @@ class _LambBase(FusedOptimizer):
                 # The ops take plain tensors: FSDP2's DTensors hand in their local shards, and
                 # the trust ratio's norms are then summed over the shards.
                 params, m, v = local_tensors(b.params), local_tensors(m), local_tensors(v)
-                param_norms, update_norms = _whole_norms(b.params, *ops.multi_tensor_lamb_stage1_(
+                local_norms = ops.multi_tensor_lamb_stage1_(
                     local_tensors(b.grads), params, m, v, b.noop, b.inv_scale, norms[b.device],
-                    **stage1))
+                    **stage1)
+                param_norms, update_norms = whole_tensor_norms(b.params, *local_norms)
                 ops.multi_tensor_lamb_stage2_(
                     params, m, v, param_norms, update_norms, local_tensors(b.model_params),
                     b.noop, lr=lr, **hyper)
@@ -92,8 +93,9 @@ class _LambBase(FusedOptimizer):
             target = local_tensor(stepped)
             p = target if target.dtype == torch.float32 else target.float()
             out = [local_tensor(b.model_params[i])] if b.model_params else []
-            param_norms, update_norms = _whole_norms([stepped], *ops.multi_tensor_lamb_stage1_(
-                [local_tensor(grad)], [p], [m], [v], b.noop, b.inv_scale, norm, **stage1))
+            local_norms = ops.multi_tensor_lamb_stage1_(
+                [local_tensor(grad)], [p], [m], [v], b.noop, b.inv_scale, norm, **stage1)
+            param_norms, update_norms = whole_tensor_norms([stepped], *local_norms)
             # A model copy of a bf16 master is written from the master as stored (below), so
             # that the model is always its master rounded, as a checkpoint restores it.
             ops.multi_tensor_lamb_stage2_([p], [m], [v], param_norms, update_norms,
@@ -111,15 +113,6 @@ class _LambBase(FusedOptimizer):
                     local_tensor(codes).copy_(new_codes)
                     if scales is not None:
                         local_tensor(scales).copy_(new_scales)  # type: ignore[arg-type]
-
-
-def _whole_norms(params: list[Tensor], param_norms: Tensor, update_norms: Tensor,
-                 ) -> tuple[Tensor, Tensor]:
-    """Stage 1's per-tensor norms of the whole tensors (one all-reduce for both under FSDP2)."""
-    if not any(shard_groups(p) for p in params):
-        return param_norms, update_norms
-    both = whole_tensor_norms(torch.stack([param_norms, update_norms]), params)
-    return both[0], both[1]
 
 
 class FusedLAMB(_LambBase):

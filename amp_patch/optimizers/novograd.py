@@ -107,11 +107,10 @@ class FusedNovoGrad(FusedOptimizer):
         """Blend this step's grad norms into the batch's second moments; return them stacked."""
         grads = local_tensors(b.grads)
         if group["norm_type"] == 2:
-            norms = whole_tensor_norms(ops.multi_tensor_l2norm(grads, per_tensor=True)[1], b.grads)
+            local = ops.multi_tensor_l2norm(grads, per_tensor=True)[1]
         else:
-            norms = whole_tensor_norms(
-                torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]),
-                b.grads, op="max")
+            local = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
+        (norms,) = whole_tensor_norms(b.grads, local, op="l2" if group["norm_type"] == 2 else "max")
         if b.inv_scale is not None:
             norms = norms * b.inv_scale.reshape(())
         beta2 = group["betas"][1]
