@@ -179,6 +179,15 @@ def report(results: dict[str, dict[str, dict]], device: str, half: str, rounds: 
     banner = cpu_half_banner(HostFacts.collect(device), half)
     if banner:
         parts += ["\n".join(f"> {line}" for line in banner.splitlines()), ""]
+    if on_cuda:
+        times = [r["median_s"] * 1e3 for by_workload in results.values()
+                 for res in by_workload.values() for r in res.values() if r["error"] is None]
+        if times:
+            parts += [f"The workloads are sized for the CPU. On this GPU a step takes "
+                      f"{min(times):.1f}-{max(times):.1f} ms, so it is bound by kernel launches "
+                      "and host work, not by arithmetic: half precision gains little and O1's "
+                      "casts cost launches. These rows measure each level's overhead, not what "
+                      "mixed precision gives a model that fills the GPU.", ""]
     if rounds < MIN_ROUNDS:
         parts += [f"> {rounds} round(s): a smoke test, not a measurement (a speed needs "
                   f"{MIN_ROUNDS} rounds at least).", ""]
