@@ -4,21 +4,27 @@
 //
 // Each state tensor is stored in a code (fp32, bf16, or block-scaled int8,
 // uint8 = square root, float8_e4m3fn) with one fp32 scale per block of
-// block_size consecutive elements of a row. One thread block handles one
-// state block: it decodes the state with the block's old scale, applies the
-// update rule of csrc/cpu/optim_math.h on RnFloat (the reference's fp32
-// arithmetic, one rounding per operation), takes the block's largest
-// magnitude of each new state (NaN propagating, as torch's amax), and then
-// encodes the state with the new scale and writes the param (stochastically
-// rounded when it is bf16), the half model copy and the codes. The first
-// kLeanCached elements of each thread keep their results in registers between
-// the two passes; a block longer than kLeanCached * threads computes the rest
-// again in the second pass (the same arithmetic, so the same bits).
+// block_size consecutive elements of a row. One warp handles one state block,
+// in chunks of kLeanChunk elements, kLeanVec consecutive ones per lane: it
+// decodes the state with the block's old scale, applies the update rule of
+// csrc/cpu/optim_math.h on RnFloat (the reference's fp32 arithmetic, one
+// rounding per operation), takes the block's largest magnitude of each new
+// state with warp shuffles (NaN propagating, as torch's amax), and then encodes
+// the state with the new scale and writes the param (stochastically rounded
+// when it is bf16), the half model copy and the codes. No barrier is needed:
+// the warp is the block. The first kLeanCachedChunks chunks keep their results
+// in registers between the two passes; a longer block computes the rest again
+// in the second pass (the same arithmetic, so the same bits).
+//
+// A tensor whose rows and blocks are whole multiples of kLeanVec and whose
+// data are 16-byte aligned is read and written in vectors (16 bytes of fp32,
+// fp16 or bf16, 8 bytes of a byte code per lane); any other takes the same
+// path element by element, lane-interleaved so that the loads still coalesce.
 //
 // A launch carries up to kLeanTensors tensors in its kernel arguments; each
-// thread block walks state blocks [blockIdx.x, total) with a stride of
-// gridDim.x and finds its tensor by a binary search over the tensors' first
-// block numbers. A set noop flag returns before anything is read or written.
+// warp walks state blocks [warp, total) with a stride of the grid's warps and
+// finds its tensor by a binary search over the tensors' first block numbers.
+// A set noop flag returns before anything is read or written.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -45,60 +51,154 @@ using optim::StateCode;
 
 // ------------------------------------------------------------------ state codes
 
-// The fp32 value of element e of a state tensor; `factor` is s / code_max.
-__device__ __forceinline__ float load_state(const void* base, StateCode code, int64_t e,
-                                            float factor) {
+// The fp32 value of a byte code (int8, uint8 = square root, float8_e4m3fn);
+// `factor` is s / code_max.
+__device__ __forceinline__ float decode_byte(StateCode code, uint32_t byte, float factor) {
   switch (code) {
-    case StateCode::kF32:
-      return static_cast<const float*>(base)[e];
-    case StateCode::kBF16:
-      return to_float(static_cast<const c10::BFloat16*>(base)[e]);
     case StateCode::kInt8:
-      return __fmul_rn(static_cast<float>(static_cast<const int8_t*>(base)[e]), factor);
+      return __fmul_rn(static_cast<float>(static_cast<int8_t>(byte)), factor);
     case StateCode::kSqrtU8: {
-      const float r =
-          __fmul_rn(static_cast<float>(static_cast<const uint8_t*>(base)[e]), factor);
+      const float r = __fmul_rn(static_cast<float>(byte), factor);
       return __fmul_rn(r, r);
     }
     default:
-      return __fmul_rn(
-          c10::detail::fp8e4m3fn_to_fp32_value(static_cast<const uint8_t*>(base)[e]), factor);
+      return __fmul_rn(c10::detail::fp8e4m3fn_to_fp32_value(static_cast<uint8_t>(byte)), factor);
   }
 }
 
-// Stores x (for the uint8 code: the square root of the value) in its code.
+// The byte code of x (for the uint8 code: the square root of the value).
 // `factor` is code_max / s and `usable` whether it is finite. As the
 // reference: y = x * factor (0 where the factor is not usable), rounded half
 // to even and clamped for the integer codes (a NaN, from an inf element of a
 // block whose scale is inf, is stored as 0, as torch's cast stores it on
 // CUDA; the uint8 code of an unusable block is 0, not the clamp's 1), or
 // converted by torch's own float -> float8_e4m3fn conversion.
+__device__ __forceinline__ uint8_t encode_byte(StateCode code, float x, float factor, bool usable) {
+  if (code == StateCode::kE4M3) {
+    return c10::detail::fp8e4m3fn_from_fp32_value(usable ? __fmul_rn(x, factor) : 0.0f);
+  }
+  const float q = rintf(usable ? __fmul_rn(x, factor) : 0.0f);
+  if (!usable || isnan(q)) {
+    return 0;
+  }
+  if (code == StateCode::kInt8) {
+    return static_cast<uint8_t>(static_cast<int8_t>(fminf(fmaxf(q, -127.0f), 127.0f)));
+  }
+  return static_cast<uint8_t>(fminf(fmaxf(q, 1.0f), 255.0f));
+}
+
+// tensor_lists.cuh's dtype_index of the codes that are plain floats.
+__device__ __forceinline__ int float_code_dtype(StateCode code) {
+  return code == StateCode::kF32 ? 0 : 2;
+}
+
+// The fp32 value of element e of a state tensor; `factor` is s / code_max.
+__device__ __forceinline__ float load_state(const void* base, StateCode code, int64_t e,
+                                            float factor) {
+  if (!optim::block_scaled(code)) {
+    return load_as_float(base, float_code_dtype(code), e);
+  }
+  return decode_byte(code, static_cast<const uint8_t*>(base)[e], factor);
+}
+
+// Stores x in its code (encode_byte's rule for the byte codes).
 __device__ __forceinline__ void store_state(void* base, StateCode code, int64_t e, float x,
                                             float factor, bool usable) {
-  switch (code) {
-    case StateCode::kF32:
-      static_cast<float*>(base)[e] = x;
-      return;
-    case StateCode::kBF16:
-      static_cast<c10::BFloat16*>(base)[e] = from_float<c10::BFloat16>(x);
-      return;
-    case StateCode::kE4M3: {
-      const float y = usable ? __fmul_rn(x, factor) : 0.0f;
-      static_cast<uint8_t*>(base)[e] = c10::detail::fp8e4m3fn_from_fp32_value(y);
-      return;
-    }
-    default: {
-      const float q = rintf(usable ? __fmul_rn(x, factor) : 0.0f);
-      const bool zero = !usable || isnan(q);
-      if (code == StateCode::kInt8) {
-        static_cast<int8_t*>(base)[e] =
-            zero ? int8_t{0} : static_cast<int8_t>(fminf(fmaxf(q, -127.0f), 127.0f));
-      } else {
-        static_cast<uint8_t*>(base)[e] =
-            zero ? uint8_t{0} : static_cast<uint8_t>(fminf(fmaxf(q, 1.0f), 255.0f));
-      }
-    }
+  if (!optim::block_scaled(code)) {
+    store_from_float(base, float_code_dtype(code), e, x);
+  } else {
+    static_cast<uint8_t*>(base)[e] = encode_byte(code, x, factor, usable);
   }
+}
+
+// ------------------------------------------------------------------ vector access
+
+// Consecutive elements per lane in a vector access.
+constexpr int kLeanVec = 8;
+
+// fp32 of the 16-bit pattern b of a float16 (dt 1) or bfloat16 (dt 2).
+__device__ __forceinline__ float bits16_to_float(int dt, uint32_t b) {
+  return dt == 1 ? __half2float(__ushort_as_half(static_cast<unsigned short>(b)))
+                 : __uint_as_float(b << 16);
+}
+
+__device__ __forceinline__ uint32_t float_to_bits16(int dt, float x) {
+  return dt == 1 ? from_float<c10::Half>(x).x : from_float<c10::BFloat16>(x).x;
+}
+
+// kLeanVec values of dtype dt (0 fp32, 1 fp16, 2 bf16) from element e, which
+// the caller keeps a multiple of kLeanVec of a 16-byte aligned tensor.
+__device__ __forceinline__ void load_vec(const void* base, int dt, int64_t e,
+                                         float (&x)[kLeanVec]) {
+  if (dt == 0) {
+    const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(base) + e);
+    const float4 a = q[0], b = q[1];
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+    x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    return;
+  }
+  const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + e);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = bits16_to_float(dt, w[i] & 0xFFFFu);
+    x[2 * i + 1] = bits16_to_float(dt, w[i] >> 16);
+  }
+}
+
+// Stores 16-bit patterns (an fp16 or bf16 tensor) from element e.
+__device__ __forceinline__ void store_vec_bits16(void* base, int64_t e,
+                                                 const uint32_t (&b)[kLeanVec]) {
+  *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + e) =
+      make_uint4(b[0] | (b[1] << 16), b[2] | (b[3] << 16), b[4] | (b[5] << 16),
+                 b[6] | (b[7] << 16));
+}
+
+// Stores kLeanVec values in dtype dt, rounded to nearest even as store_from_float.
+__device__ __forceinline__ void store_vec(void* base, int dt, int64_t e,
+                                          const float (&x)[kLeanVec]) {
+  if (dt == 0) {
+    float4* q = reinterpret_cast<float4*>(static_cast<float*>(base) + e);
+    q[0] = make_float4(x[0], x[1], x[2], x[3]);
+    q[1] = make_float4(x[4], x[5], x[6], x[7]);
+    return;
+  }
+  uint32_t b[kLeanVec];
+#pragma unroll
+  for (int i = 0; i < kLeanVec; ++i) {
+    b[i] = float_to_bits16(dt, x[i]);
+  }
+  store_vec_bits16(base, e, b);
+}
+
+// kLeanVec state values from element e (load_state's values).
+__device__ __forceinline__ void load_state_vec(const void* base, StateCode code, int64_t e,
+                                               float factor, float (&x)[kLeanVec]) {
+  if (!optim::block_scaled(code)) {
+    load_vec(base, float_code_dtype(code), e, x);
+    return;
+  }
+  const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(base) + e);
+#pragma unroll
+  for (int i = 0; i < kLeanVec; ++i) {
+    x[i] = decode_byte(code, ((i < 4 ? u.x : u.y) >> (8 * (i & 3))) & 0xFFu, factor);
+  }
+}
+
+// Stores kLeanVec state values from element e (store_state's codes).
+__device__ __forceinline__ void store_state_vec(void* base, StateCode code, int64_t e,
+                                                const float (&x)[kLeanVec], float factor,
+                                                bool usable) {
+  if (!optim::block_scaled(code)) {
+    store_vec(base, float_code_dtype(code), e, x);
+    return;
+  }
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < kLeanVec; ++i) {
+    w[i / 4] |= static_cast<uint32_t>(encode_byte(code, x[i], factor, usable)) << (8 * (i & 3));
+  }
+  *reinterpret_cast<uint2*>(static_cast<uint8_t*>(base) + e) = make_uint2(w[0], w[1]);
 }
 
 // The larger of a and b, NaN when either is (torch.amax's rule).
@@ -137,13 +237,22 @@ struct LeanTensor {
   uint32_t key;              // stochastic rounding (bf16 params)
   int8_t grad_dt, param_dt, model_dt;  // tensor_lists.cuh's dtype_index
   StateCode code[kMaxStates];
+  bool vec;  // read and written in vectors of kLeanVec (the plan's rule)
 };
 
-constexpr int kLeanThreads = 256;
-// Elements per thread whose results stay in registers between the two passes.
-constexpr int kLeanCached = 4;
-// Grid size cap; blocks loop over the rest.
-constexpr int64_t kLeanMaxGrid = int64_t{1} << 20;
+constexpr int kLeanThreads = 256;  // 8 warps, each a state block at a time
+constexpr int kLeanWarps = kLeanThreads / 32;
+// Thread blocks per SM the registers must allow (more warps in flight hide
+// more of the memory latency). On sm_90 Adam's kernel then takes 104 registers
+// and spills none; 3 would cap it at 80, with spills.
+constexpr int kLeanMinBlocks = 2;
+// Elements a warp covers per chunk of a state block.
+constexpr int kLeanChunk = 32 * kLeanVec;
+// Chunks whose results stay in registers between the two passes (the default
+// block of 256 elements is one chunk).
+constexpr int kLeanCachedChunks = 1;
+// Grid size cap; warps loop over the rest.
+constexpr int64_t kLeanMaxGrid = int64_t{1} << 16;
 constexpr int kLeanOwnBytes = 160;  // the launch's other fields, checked below
 constexpr int kLeanTensors = (kParamBytes - kLeanOwnBytes) / static_cast<int>(sizeof(LeanTensor));
 
@@ -190,127 +299,145 @@ struct SgdLeanRule {
 
 // ------------------------------------------------------------------ the kernel
 
-// The NaN-propagating maximum of K values over the thread block; every thread
-// gets the result. smem holds one slot per warp and value.
+// The NaN-propagating maximum of K values over the warp; every lane gets it.
 template <int K>
-__device__ __forceinline__ void block_max_nan(float (&v)[K], float (*smem)[32]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int warps = (blockDim.x + 31) >> 5;
+__device__ __forceinline__ void warp_max_nan(float (&v)[K]) {
 #pragma unroll
   for (int k = 0; k < K; ++k) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       v[k] = max_nan(v[k], __shfl_xor_sync(0xffffffffu, v[k], off));
     }
-    if (lane == 0) {
-      smem[k][warp] = v[k];
-    }
-  }
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      float x = lane < warps ? smem[k][lane] : 0.0f;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, off));
-      }
-      if (lane == 0) {
-        smem[k][0] = x;
-      }
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    v[k] = smem[k][0];
   }
 }
 
-// The model copy receives the param as stored (a bf16 master's own bits), so
-// that the model is always its master rounded.
-__device__ __forceinline__ void store_param(const LeanTensor& t, int64_t e, float p) {
+// The param as stored (a bf16 param stochastically rounded, an fp16 one to
+// nearest) as a 16-bit pattern in `bits` (unused for an fp32 param), and as fp32:
+// the value the model copy receives, so that the model is always its master rounded.
+__device__ __forceinline__ float round_param(const LeanTensor& t, int64_t e, float p,
+                                             uint32_t& bits) {
   if (t.param_dt == 2) {
-    const c10::BFloat16 stored = stochastic_round_bf16(p, t.key, e);
-    static_cast<c10::BFloat16*>(t.param)[e] = stored;
-    p = static_cast<float>(stored);
-  } else {
-    store_from_float(t.param, t.param_dt, e, p);
-    if (t.param_dt == 1) {  // an fp16 param: its rounded value
-      p = static_cast<float>(from_float<c10::Half>(p));
-    }
+    bits = stochastic_round_bf16(p, t.key, e).x;
+    return bits16_to_float(2, bits);
   }
-  if (t.model != nullptr) {
-    store_from_float(t.model, t.model_dt, e, p);
+  if (t.param_dt == 1) {
+    bits = float_to_bits16(1, p);
+    return bits16_to_float(1, bits);
   }
+  return p;
 }
 
-// One state block: elements [base, base + n) of the tensor, scale slot `slot`.
+// One state block of one tensor, elements [base, base + n), scale slot `slot`,
+// by the calling warp (lane `lane`).
 template <typename Rule>
 __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, int64_t base,
-                           int n, int64_t slot, float (*smem)[32]) {
+                           int n, int64_t slot, int lane) {
   constexpr int K = Rule::kStates;
+  constexpr int V = kLeanVec;
   const bool reads = Rule::reads_state(h), writes = Rule::writes_state(h);
-  bool scaled[K];
+  bool scaled[K], state_read[K];
   float decode[K];
   bool any_scaled = false;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     scaled[k] = t.state[k] != nullptr && writes && optim::block_scaled(t.code[k]);
+    state_read[k] = t.state[k] != nullptr && reads;
     any_scaled = any_scaled || scaled[k];
     // s / code_max, one division per block, as the reference's decode factor.
     decode[k] = scaled[k] && reads ? __fdiv_rn(t.scale[k][slot], optim::code_max(t.code[k])) : 0.0f;
   }
 
-  // The new param and state of element j; a uint8 state is returned as its
-  // square root, the value its code scales.
-  auto compute = [&](int j, float& p, float (&s)[K]) {
-    const int64_t e = base + j;
-    const float g = load_as_float(t.grad, t.grad_dt, e);
-    p = load_as_float(t.param, t.param_dt, e);
+  // Value i of this lane in chunk c is element index(c, i) of the block: its
+  // kLeanVec consecutive elements in a vector tensor, every 32nd element else.
+  auto index = [&](int c, int i) {
+    return c * kLeanChunk + (t.vec ? lane * V + i : i * 32 + lane);
+  };
+  // Whether this lane's values of chunk c are one whole vector.
+  auto whole = [&](int c) { return t.vec && c * kLeanChunk + (lane + 1) * V <= n; };
+
+  // The new params and states of this lane's values of chunk c; a uint8 state
+  // is returned as its square root, the value its code scales. Values past
+  // the block compute on zeros and are neither counted nor stored.
+  auto compute = [&](int c, float (&p)[V], float (&s)[K][V]) {
+    float g[V];
+    if (whole(c)) {
+      const int64_t e = base + index(c, 0);
+      load_vec(t.grad, t.grad_dt, e, g);
+      load_vec(t.param, t.param_dt, e, p);
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      s[k] = t.state[k] != nullptr && reads ? load_state(t.state[k], t.code[k], e, decode[k])
-                                            : 0.0f;
+      for (int k = 0; k < K; ++k) {
+        if (state_read[k]) {
+          load_state_vec(t.state[k], t.code[k], e, decode[k], s[k]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            s[k][i] = 0.0f;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const int j = index(c, i);
+        const int64_t e = base + j;
+        const bool in = j < n;
+        g[i] = in ? load_as_float(t.grad, t.grad_dt, e) : 0.0f;
+        p[i] = in ? load_as_float(t.param, t.param_dt, e) : 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          s[k][i] = in && state_read[k] ? load_state(t.state[k], t.code[k], e, decode[k]) : 0.0f;
+        }
+      }
     }
-    Rule::step(g, p, s, h);
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      if (t.code[k] == StateCode::kSqrtU8) {
-        s[k] = __fsqrt_rn(s[k]);
+    for (int i = 0; i < V; ++i) {
+      float si[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        si[k] = s[k][i];
+      }
+      Rule::step(g[i], p[i], si, h);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        s[k][i] = t.code[k] == StateCode::kSqrtU8 ? __fsqrt_rn(si[k]) : si[k];
+      }
+    }
+  };
+  auto count = [&](int c, const float (&s)[K][V], float (&top)[K]) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      if (index(c, i) < n) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          top[k] = max_nan(top[k], fabsf(s[k][i]));
+        }
       }
     }
   };
 
-  float cached_p[kLeanCached];
-  float cached_s[kLeanCached][K];
+  const int chunks = (n + kLeanChunk - 1) / kLeanChunk;
+  float cached_p[kLeanCachedChunks][V];
+  float cached_s[kLeanCachedChunks][K][V];
   float top[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     top[k] = 0.0f;
   }
 #pragma unroll
-  for (int u = 0; u < kLeanCached; ++u) {
-    const int j = threadIdx.x + u * blockDim.x;
-    if (j < n) {
-      compute(j, cached_p[u], cached_s[u]);
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        top[k] = max_nan(top[k], fabsf(cached_s[u][k]));
-      }
+  for (int c = 0; c < kLeanCachedChunks; ++c) {
+    if (c < chunks) {
+      compute(c, cached_p[c], cached_s[c]);
+      count(c, cached_s[c], top);
     }
   }
   if (any_scaled) {
-    for (int j = threadIdx.x + kLeanCached * blockDim.x; j < n; j += blockDim.x) {
-      float p, s[K];
-      compute(j, p, s);
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        top[k] = max_nan(top[k], fabsf(s[k]));
-      }
+    for (int c = kLeanCachedChunks; c < chunks; ++c) {
+      float p[V], s[K][V];
+      compute(c, p, s);
+      count(c, s, top);
     }
-    // Every thread has read the old scales (decode) before this barrier.
-    block_max_nan<K>(top, smem);
+    // Every lane has read the old scales (decode) before the shuffles.
+    warp_max_nan<K>(top);
   }
 
   float encode[K];
@@ -321,49 +448,89 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
     encode[k] = scaled[k] ? __fdiv_rn(optim::code_max(t.code[k]), top[k]) : 0.0f;
     // An inf scale gives the finite factor 0: unusable too (the reference's rule).
     usable[k] = isfinite(encode[k]) && isfinite(top[k]);
-    if (scaled[k] && threadIdx.x == 0) {
+    if (scaled[k] && lane == 0) {
       t.scale[k][slot] = top[k];
     }
   }
 
-  auto store = [&](int j, float p, const float (&s)[K]) {
-    const int64_t e = base + j;
-    store_param(t, e, p);
-    if (writes) {
+  auto store = [&](int c, const float (&p)[V], const float (&s)[K][V]) {
+    if (whole(c)) {
+      const int64_t e = base + index(c, 0);
+      float stored[V];
+      uint32_t bits[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        stored[i] = round_param(t, e + i, p[i], bits[i]);
+      }
+      if (t.param_dt == 0) {
+        store_vec(t.param, 0, e, stored);
+      } else {
+        store_vec_bits16(t.param, e, bits);
+      }
+      if (t.model != nullptr) {
+        store_vec(t.model, t.model_dt, e, stored);
+      }
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        if (t.state[k] != nullptr) {
-          store_state(t.state[k], t.code[k], e, s[k], encode[k], usable[k]);
+        if (writes && t.state[k] != nullptr) {
+          store_state_vec(t.state[k], t.code[k], e, s[k], encode[k], usable[k]);
+        }
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const int j = index(c, i);
+      if (j >= n) {
+        continue;
+      }
+      const int64_t e = base + j;
+      uint32_t bits = 0;
+      const float stored = round_param(t, e, p[i], bits);
+      if (t.param_dt == 0) {
+        static_cast<float*>(t.param)[e] = stored;
+      } else {
+        static_cast<uint16_t*>(t.param)[e] = static_cast<uint16_t>(bits);
+      }
+      if (t.model != nullptr) {
+        store_from_float(t.model, t.model_dt, e, stored);
+      }
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (writes && t.state[k] != nullptr) {
+          store_state(t.state[k], t.code[k], e, s[k][i], encode[k], usable[k]);
         }
       }
     }
   };
 #pragma unroll
-  for (int u = 0; u < kLeanCached; ++u) {
-    const int j = threadIdx.x + u * blockDim.x;
-    if (j < n) {
-      store(j, cached_p[u], cached_s[u]);
+  for (int c = 0; c < kLeanCachedChunks; ++c) {
+    if (c < chunks) {
+      store(c, cached_p[c], cached_s[c]);
     }
   }
-  // Each element is computed again by the thread that computed it first, and
-  // only that thread writes it, so nothing it reads has been written yet.
-  for (int j = threadIdx.x + kLeanCached * blockDim.x; j < n; j += blockDim.x) {
-    float p, s[K];
-    compute(j, p, s);
-    store(j, p, s);
+  // Each element is computed again by the lane that computed it first, and
+  // only that lane writes it, so nothing it reads has been written yet.
+  for (int c = kLeanCachedChunks; c < chunks; ++c) {
+    float p[V], s[K][V];
+    compute(c, p, s);
+    store(c, p, s);
   }
 }
 
 template <typename Rule>
-__global__ void __launch_bounds__(kLeanThreads)
+__global__ void __launch_bounds__(kLeanThreads, kLeanMinBlocks)
     lean_kernel(const __grid_constant__ LeanLaunch<typename Rule::Hyper> a) {
-  __shared__ float smem[Rule::kStates][32];
   if (a.common.skipped()) {
     return;
   }
   typename Rule::Hyper h = a.h;
   h.inv_scale = a.common.scale();
-  for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kLeanWarps;
+  // b is the same in all lanes of a warp, so its shuffles see every lane.
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * kLeanWarps + (threadIdx.x >> 5);
+       b < a.total_blocks; b += warps) {
     int lo = 0, hi = a.n - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
@@ -379,8 +546,7 @@ __global__ void __launch_bounds__(kLeanThreads)
     const int64_t start = (slot - row * t.blocks_per_row) * a.block_size;
     const int64_t left = t.row_len - start;
     const int n = static_cast<int>(left < a.block_size ? left : a.block_size);
-    lean_block<Rule>(t, h, row * t.row_len + start, n, slot, smem);
-    __syncthreads();  // smem is reused by the next block
+    lean_block<Rule>(t, h, row * t.row_len + start, n, slot, lane);
   }
 }
 
@@ -478,6 +644,7 @@ class LeanPlan {
           t.scale[k] = static_cast<float*>(l.states[k].scales[i].data_ptr());
         }
       }
+      t.vec = vector_access(t);
       t.first_block = total_blocks_;
       total_blocks_ += rows * t.blocks_per_row;
       tensors_.push_back(t);
@@ -491,8 +658,6 @@ class LeanPlan {
     static_assert(sizeof(LeanLaunch<typename Rule::Hyper>) <= kParamBytes,
                   "the lean launch arguments exceed the kernel parameter space");
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const int threads = static_cast<int>(
-        std::clamp<int64_t>((block_size_ + 31) / 32 * 32, 32, kLeanThreads));
     for (size_t first = 0; first < tensors_.size(); first += kLeanTensors) {
       const size_t count = std::min<size_t>(kLeanTensors, tensors_.size() - first);
       LeanLaunch<typename Rule::Hyper> a{};
@@ -507,8 +672,8 @@ class LeanPlan {
       a.block_size = static_cast<int32_t>(block_size_);
       a.common = common;
       a.h = h;
-      const int64_t grid = std::min(a.total_blocks, kLeanMaxGrid);
-      lean_kernel<Rule><<<static_cast<unsigned>(grid), threads, 0, stream>>>(a);
+      const int64_t grid = std::min((a.total_blocks + kLeanWarps - 1) / kLeanWarps, kLeanMaxGrid);
+      lean_kernel<Rule><<<static_cast<unsigned>(grid), kLeanThreads, 0, stream>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     for (auto& [user, stand_in] : write_back_) {
@@ -517,6 +682,19 @@ class LeanPlan {
   }
 
  private:
+  // Whether the kernel may read and write tensor t in vectors: every state
+  // block, and so every lane's run of kLeanVec elements, starts at a multiple
+  // of kLeanVec, and every pointer is 16-byte aligned.
+  bool vector_access(const LeanTensor& t) const {
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    bool ok = t.row_len % kLeanVec == 0 && block_size_ % kLeanVec == 0 && aligned(t.grad) &&
+              aligned(t.param) && (t.model == nullptr || aligned(t.model));
+    for (int k = 0; k < kMaxStates; ++k) {
+      ok = ok && (t.state[k] == nullptr || aligned(t.state[k]));
+    }
+    return ok;
+  }
+
   void* flat(const at::Tensor& t, bool written) {
     if (t.is_contiguous()) {
       return t.data_ptr();

@@ -39,11 +39,14 @@ SGD_CODES = [F32, BF16, I8, E4M3]
 PARAM_DTYPES = [F32, BF16, F16]
 
 # Shapes: one-row tensors (0-dim, 1-D), rows of 2-D and 3-D tensors, empty ones.
-# (2, 3000): rows longer than the kernel's register cache (4 elements per thread of 256).
+# The kernel reads a tensor in vectors of 8 when its rows and blocks are multiples of 8
+# ((2, 1000), (2, 3000), (2, 4096) with an even block size), else element by element.
+# (2, 3000), (2, 4096): rows longer than the kernel keeps in registers (256 per warp).
 SHAPES = [(), (1,), (7,), (300,), (3, 257), (4, 5, 7), (0,), (2, 1000), (5, 0), (2, 3, 130),
-          (2, 3000)]
+          (2, 3000), (2, 4096)]
 # 1: a scale per element; 33 and 100: blocks that do not divide the rows; 2048 and
-# 5000: blocks longer than the kernel's register cache (4 per thread of 256).
+# 5000: blocks longer than the kernel keeps in registers (in vectors: 2048, 5000 does not
+# divide by 8).
 BLOCK_SIZES = [1, 33, 100, 256, 2048, 5000]
 
 
@@ -210,14 +213,17 @@ def test_adam_lean_noop_writes_nothing(codes, noop_dtype):
 
 def _nonfinite_adam(codes, param_dtype):
     """Blocks with inf and NaN grads, an inf old scale, and blocks too small to scale."""
-    shapes = [(3, 257), (300,), (2, 64)]
+    shapes = [(3, 257), (300,), (2, 64), (2, 512)]
     args = _adam_args(shapes, codes, param_dtype, 32)
     grads, params = args[0], args[1]
-    grads[0][1, 40] = float("inf")   # m and v of that block become inf: scale inf, factor 0
-    grads[0][2, 5] = float("nan")    # NaN scale: the block's codes are 0
+    # Tensor 0 is read element by element, tensor 3 in vectors.
+    for t, (r, c) in ((0, (1, 40)), (3, (1, 300))):
+        grads[t][r, c] = float("inf")   # m and v of that block become inf: scale inf, factor 0
+        grads[t][r + 1 if t == 0 else 0, 5] = float("nan")  # NaN scale: the block's codes are 0
     grads[0][0, 100] = -float("inf")
-    params[1][7] = float("inf")      # non-finite params round to nearest
-    params[1][8] = float("nan")
+    for t, i in ((1, 7), (3, 900)):
+        params[t].view(-1)[i] = float("inf")      # non-finite params round to nearest
+        params[t].view(-1)[i + 1] = float("nan")
     # Tensor 2: grads of 1e-39 on zero state, so the new first moments are
     # subnormal and 127 / s overflows (the codes stay 0), and the second are 0.
     grads[2] = torch.full((2, 64), 1e-39, device=DEV)
@@ -229,9 +235,10 @@ def _nonfinite_adam(codes, param_dtype):
             args[k + 1][2] = scales.to(DEV)
     # An inf and a NaN old scale: that block decodes to NaN (0 * inf) or inf.
     for k in (3, 5):
-        if args[k] and args[k][1].numel():
-            args[k][1][0, 2] = float("inf")
-            args[k][1][0, 4] = float("nan")
+        for t in (1, 3):
+            if args[k] and args[k][t].numel():
+                args[k][t][0, 2] = float("inf")
+                args[k][t][0, 4] = float("nan")
     return args
 
 
@@ -239,6 +246,38 @@ def _nonfinite_adam(codes, param_dtype):
 @pytest.mark.parametrize("codes", ADAM_CODES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_adam_lean_nonfinite_match_reference(codes, param_dtype):
     _check(ADAM, _nonfinite_adam(codes, param_dtype), steps=2)
+
+
+def _misaligned(t):
+    """A copy of `t`, contiguous but starting one element into its storage: not 16-byte aligned."""
+    if t.numel() == 0:
+        return t.clone()
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return buf[1:].view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("which", ["all", "model"])
+@pytest.mark.parametrize("codes", [(I8, U8), (E4M3, BF16), (F32, F32)],
+                         ids=lambda c: f"{c[0]}-{c[1]}")
+def test_adam_lean_misaligned_tensors_match_reference(codes, which):
+    """Rows of 8s whose data do not start on 16 bytes take the element path, and agree.
+
+    `all`: every list is misaligned; `model`: only the model copies, so each
+    tensor's other lists would allow vectors.
+    """
+    args = _adam_args([(2, 1024), (4, 512), (8,)], codes, BF16, 256)
+    want = clone_args(args)
+    got = clone_args(args)
+    lists = (0, 1, 2, 4, 6) if which == "all" else (6,)
+    for k in lists:
+        got[k] = [_misaligned(t) for t in got[k]]
+    assert all(t.data_ptr() % 16 for k in lists for t in got[k])
+    for _ in range(2):
+        torch.ops.amp_patch.multi_tensor_adam_lean_(*got)
+        lean_state_ops._LEAN_REFERENCE[ADAM](*want)
+        for what, k in _ADAM_OUT.items():
+            _assert_same(got[k], want[k], what)
+        got[14] = want[14] = got[14] + 1
 
 
 def test_adam_lean_bf16_params_round_stochastically():
