@@ -31,7 +31,12 @@ add an op.
 
 from amp_patch.ops import _library
 from amp_patch.ops._library import has_native_kernel, native_extension_loaded
-from amp_patch.ops.lean_state_ops import multi_tensor_adam_lean_, multi_tensor_sgd_lean_
+from amp_patch.ops.lean_state_ops import (
+    multi_tensor_adam_lean_,
+    multi_tensor_lamb_lean_stage1_,
+    multi_tensor_lamb_lean_stage2_,
+    multi_tensor_sgd_lean_,
+)
 from amp_patch.ops.optimizer_ops import (
     multi_tensor_adagrad_,
     multi_tensor_adam_,
@@ -69,6 +74,8 @@ __all__ = [
     # fused optimizer steps over low-precision state
     "multi_tensor_adam_lean_",
     "multi_tensor_sgd_lean_",
+    "multi_tensor_lamb_lean_stage1_",
+    "multi_tensor_lamb_lean_stage2_",
     # the compiled kernels
     "has_native_kernel",
     "native_extension_loaded",

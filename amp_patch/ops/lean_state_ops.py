@@ -76,6 +76,9 @@ from amp_patch.ops.optimizer_ops import (
     _f32,
     _grad32,
     _keep,
+    _lamb_stage1_fake,
+    _lamb_stage1_ref,
+    _lamb_stage2_ref,
     _one_minus,
     _sgd_update,
     _sqrt_rn,
@@ -87,6 +90,8 @@ __all__ = [
     "STATE_DTYPES",
     "multi_tensor_adam_lean_",
     "multi_tensor_sgd_lean_",
+    "multi_tensor_lamb_lean_stage1_",
+    "multi_tensor_lamb_lean_stage2_",
     "scale_shape",
     "encode",
     "decode",
@@ -119,7 +124,27 @@ _LEAN_SCHEMAS = {
         "float lr, float weight_decay, float momentum, float dampening, bool nesterov, "
         "bool first_run, bool wd_after_momentum, int step, int block_size, int seed) -> ()"
     ),
+    "multi_tensor_lamb_lean_stage1_": (
+        "multi_tensor_lamb_lean_stage1_(Tensor[] grads, Tensor[] params, Tensor[] exp_avgs, "
+        "Tensor[] exp_avg_scales, Tensor[] exp_avg_sqs, Tensor[] exp_avg_sq_scales, "
+        "Tensor? noop, Tensor? inv_scale, Tensor global_grad_norm, float max_grad_norm, "
+        "float beta1, float beta2, float eps, float weight_decay, int step, "
+        "bool bias_correction, bool grad_averaging, bool adam_w_mode, bool use_nvlamb, "
+        "int block_size) -> (Tensor, Tensor)"
+    ),
+    "multi_tensor_lamb_lean_stage2_": (
+        "multi_tensor_lamb_lean_stage2_(Tensor[] grads, Tensor(a!)[] params, "
+        "Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_scales, Tensor(d!)[] exp_avg_sqs, "
+        "Tensor(e!)[] exp_avg_sq_scales, Tensor param_norms, Tensor update_norms, "
+        "Tensor(f!)[] model_params, Tensor? noop, Tensor? inv_scale, Tensor global_grad_norm, "
+        "float max_grad_norm, float lr, float beta1, float beta2, float eps, float weight_decay, "
+        "int step, bool bias_correction, bool grad_averaging, bool adam_w_mode, "
+        "bool use_nvlamb, int block_size, int seed) -> ()"
+    ),
 }
+
+#: The lean ops with a compiled CUDA kernel; the others run their reference body on CUDA.
+_CUDA_KERNELS = ("multi_tensor_adam_lean_", "multi_tensor_sgd_lean_")
 
 _MASK32 = 0xFFFFFFFF
 # Odd 32-bit constants of the hash (golden ratio, and murmur3's finaliser).
@@ -473,11 +498,89 @@ def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params
         _commit(keep, (params[i], stored), *state, *_model_copy(model_params, i, stored))
 
 
+def _check_lamb_lean(op, grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                     exp_avg_sq_scales, model_params, block_size) -> None:
+    _check_rows(op, grads=grads, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                model_params=model_params or None)
+    _check_common(op, params, block_size)
+    _check_state(op, "exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, block_size)
+    _check_state(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
+                 block_size)
+
+
+def _lamb_lean_inputs(i, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales,
+                      block_size) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 copies of param ``i`` and of its decoded moments: what LAMB's fp32 stages step.
+    One tensor at a time, so that the copies never hold more than one tensor's state."""
+    def copy(states: Sequence[Tensor], scales: Sequence[Tensor]) -> Tensor:
+        t = states[i]
+        if t.numel() == 0:
+            return torch.empty(t.shape, device=t.device)
+        return decode(t, _scale_of(states, scales, i), block_size).to(torch.float32, copy=True)
+
+    return (params[i].to(torch.float32, copy=True), copy(exp_avgs, exp_avg_scales),
+            copy(exp_avg_sqs, exp_avg_sq_scales))
+
+
+def _lamb_lean_stage1_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                          exp_avg_sq_scales, noop, inv_scale, global_grad_norm, max_grad_norm,
+                          beta1, beta2, eps, weight_decay, step, bias_correction, grad_averaging,
+                          adam_w_mode, use_nvlamb, block_size) -> tuple[Tensor, Tensor]:
+    _check_lamb_lean("multi_tensor_lamb_lean_stage1_", grads, params, exp_avgs, exp_avg_scales,
+                     exp_avg_sqs, exp_avg_sq_scales, [], block_size)
+    rule = (noop, inv_scale, global_grad_norm, max_grad_norm, beta1, beta2, eps, weight_decay,
+            step, bias_correction, grad_averaging, adam_w_mode, use_nvlamb)
+    if not grads:
+        return _lamb_stage1_ref([], [], [], [], *rule)
+    norms = []
+    for i, grad in enumerate(grads):
+        p, m, v = _lamb_lean_inputs(i, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                                    exp_avg_sq_scales, block_size)
+        norms.append(_lamb_stage1_ref([grad], [p], [m], [v], *rule))
+    return torch.cat([n[0] for n in norms]), torch.cat([n[1] for n in norms])
+
+
+def _lamb_lean_stage2_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                          exp_avg_sq_scales, param_norms, update_norms, model_params, noop,
+                          inv_scale, global_grad_norm, max_grad_norm, lr, beta1, beta2, eps,
+                          weight_decay, step, bias_correction, grad_averaging, adam_w_mode,
+                          use_nvlamb, block_size, seed) -> None:
+    op = "multi_tensor_lamb_lean_stage2_"
+    _check_lamb_lean(op, grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                     exp_avg_sq_scales, model_params, block_size)
+    for name, t in (("param_norms", param_norms), ("update_norms", update_norms)):
+        if t.shape != (len(params),):
+            raise RuntimeError(f"amp_patch::{op}: {name} must have one element per tensor "
+                               f"({len(params)}), got shape {tuple(t.shape)}")
+    keep = _keep(noop)
+    for i, grad in enumerate(grads):
+        if grad.numel() == 0:
+            continue
+        p, m, v = _lamb_lean_inputs(i, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                                    exp_avg_sq_scales, block_size)
+        # Stage 1's moments again (the same bits), then stage 2's step along them.
+        _lamb_stage1_ref([grad], [p], [m], [v], None, inv_scale, global_grad_norm, max_grad_norm,
+                         beta1, beta2, eps, weight_decay, step, bias_correction, grad_averaging,
+                         adam_w_mode, use_nvlamb)
+        _lamb_stage2_ref([p], [m], [v], param_norms[i:i + 1], update_norms[i:i + 1], [], None,
+                         lr, beta1, beta2, eps, weight_decay, step, bias_correction, adam_w_mode,
+                         use_nvlamb)
+        m_codes, m_scale = encode(m, exp_avgs[i].dtype, block_size)
+        v_codes, v_scale = encode(v, exp_avg_sqs[i].dtype, block_size)
+        stored = _store_param(params[i], p, seed, step, i)
+        _commit(keep, (params[i], stored),
+                *_scale_pairs(exp_avgs, exp_avg_scales, i, m_codes, m_scale),
+                *_scale_pairs(exp_avg_sqs, exp_avg_sq_scales, i, v_codes, v_scale),
+                *_model_copy(model_params, i, stored))
+
+
 _LEAN_REFERENCE: dict[str, Callable[..., Any]] = {
     "multi_tensor_adam_lean_": _adam_lean_ref,
     "multi_tensor_sgd_lean_": _sgd_lean_ref,
+    "multi_tensor_lamb_lean_stage1_": _lamb_lean_stage1_ref,
+    "multi_tensor_lamb_lean_stage2_": _lamb_lean_stage2_ref,
 }
-register(_LEAN_SCHEMAS, _LEAN_REFERENCE)
+register(_LEAN_SCHEMAS, _LEAN_REFERENCE, {"multi_tensor_lamb_lean_stage1_": _lamb_stage1_fake})
 
 
 # --------------------------------------------------------------------------- public wrappers
@@ -582,3 +685,130 @@ def multi_tensor_sgd_lean_(
     _ops.multi_tensor_sgd_lean_(grads, params, momentum_buffers, momentum_scales, model_params,
                                 noop, inv_scale, lr, weight_decay, momentum, dampening, nesterov,
                                 first_run, wd_after_momentum, step, block_size, seed)
+
+
+def multi_tensor_lamb_lean_stage1_(
+    grads: list[Tensor], params: list[Tensor], exp_avgs: list[Tensor],
+    exp_avg_scales: list[Tensor], exp_avg_sqs: list[Tensor], exp_avg_sq_scales: list[Tensor],
+    noop: Tensor | None, inv_scale: Tensor | None, global_grad_norm: Tensor, *,
+    max_grad_norm: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    step: int, bias_correction: bool = True, grad_averaging: bool = True,
+    adam_w_mode: bool = True, use_nvlamb: bool = False, block_size: int = BLOCK_SIZE,
+) -> tuple[Tensor, Tensor]:
+    """LAMB's first stage over low-precision moments: each tensor's ``||p||`` and ``||u||``.
+
+    The moments are decoded and updated as
+    :func:`~amp_patch.ops.multi_tensor_lamb_stage1_` updates fp32 ones, but
+    nothing is written: :func:`multi_tensor_lamb_lean_stage2_` computes the
+    same new moments again (the same bits), so no fp32 copy of them outlives
+    the call.
+
+    Args:
+        grads (list of Tensor): gradients (fp32, fp16 or bf16), read only.
+        params (list of Tensor): fp32, bf16 or fp16 params, read only.
+        exp_avgs (list of Tensor): first moments in their codes (see the module's text).
+        exp_avg_scales (list of Tensor): their block scales, or empty.
+        exp_avg_sqs (list of Tensor): second moments in their codes.
+        exp_avg_sq_scales (list of Tensor): their block scales, or empty.
+        noop (Tensor, optional): non-zero skips the step (the norms are then 0).
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        global_grad_norm (Tensor): one-element norm of every grad, for clipping.
+        max_grad_norm (float): clipping threshold; 0 turns clipping off.
+        beta1 (float): first-moment decay.
+        beta2 (float): second-moment decay.
+        eps (float): added to the denominator.
+        weight_decay (float): weight decay.
+        step (int): the step number, from 1.
+        bias_correction (bool, optional): Default: True.
+        grad_averaging (bool, optional): Default: True.
+        adam_w_mode (bool, optional): decoupled weight decay. Default: True.
+        use_nvlamb (bool, optional): the trust ratio for every tensor. Default: False.
+        block_size (int, optional): elements per scale. Default: 256.
+
+    Returns:
+        tuple of Tensor: ``(param_norms, update_norms)``, fp32, one element per tensor.
+
+    Example::
+
+        >>> g, p = [torch.ones(4, 256)], [torch.ones(4, 256)]
+        >>> m, sm = encode(torch.zeros(4, 256), torch.int8)
+        >>> v, sv = encode(torch.zeros(4, 256), torch.uint8)
+        >>> pn, un = multi_tensor_lamb_lean_stage1_(g, p, [m], [sm], [v], [sv], None, None,
+        ...     torch.tensor([32.0]), max_grad_norm=0.0, beta1=0.9, beta2=0.999, eps=1e-6,
+        ...     weight_decay=0.01, step=1)
+        >>> round(pn.item(), 3)
+        32.0
+    """
+    return _ops.multi_tensor_lamb_lean_stage1_(
+        grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales, noop, inv_scale,
+        global_grad_norm, max_grad_norm, beta1, beta2, eps, weight_decay, step, bias_correction,
+        grad_averaging, adam_w_mode, use_nvlamb, block_size)
+
+
+def multi_tensor_lamb_lean_stage2_(
+    grads: list[Tensor], params: list[Tensor], exp_avgs: list[Tensor],
+    exp_avg_scales: list[Tensor], exp_avg_sqs: list[Tensor], exp_avg_sq_scales: list[Tensor],
+    param_norms: Tensor, update_norms: Tensor, model_params: list[Tensor], noop: Tensor | None,
+    inv_scale: Tensor | None, global_grad_norm: Tensor, *, max_grad_norm: float, lr: float,
+    beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+    bias_correction: bool = True, grad_averaging: bool = True, adam_w_mode: bool = True,
+    use_nvlamb: bool = False, block_size: int = BLOCK_SIZE, seed: int = 0,
+) -> None:
+    """LAMB's second stage over low-precision moments: the step, and the moments encoded again.
+
+    Computes stage 1's new moments again from the same inputs, steps each param
+    along its update scaled by its trust ratio (from ``param_norms`` and
+    ``update_norms``, as :func:`~amp_patch.ops.multi_tensor_lamb_stage2_`),
+    encodes the moments and writes the param (stochastically rounded when it
+    is bf16) and the model copy. Take the arguments of stage 1 unchanged, and
+    its norms (summed over the shards of a sharded tensor).
+
+    Args:
+        grads (list of Tensor): gradients, read only.
+        params (list of Tensor): fp32, bf16 or fp16 params, updated in place.
+        exp_avgs (list of Tensor): first moments in their codes, updated in place.
+        exp_avg_scales (list of Tensor): their block scales, or empty.
+        exp_avg_sqs (list of Tensor): second moments in their codes, updated in place.
+        exp_avg_sq_scales (list of Tensor): their block scales, or empty.
+        param_norms (Tensor): ``||p||`` per tensor, from stage 1.
+        update_norms (Tensor): ``||u||`` per tensor, from stage 1.
+        model_params (list of Tensor): empty, or the half model copies to write.
+        noop (Tensor, optional): non-zero skips the whole step.
+        inv_scale (Tensor, optional): one-element fp32 multiplier of the grads.
+        global_grad_norm (Tensor): one-element norm of every grad, for clipping.
+        max_grad_norm (float): clipping threshold; 0 turns clipping off.
+        lr (float): learning rate.
+        beta1 (float): first-moment decay.
+        beta2 (float): second-moment decay.
+        eps (float): added to the denominator.
+        weight_decay (float): weight decay.
+        step (int): the step number, from 1 (bias corrections, rounding bits).
+        bias_correction (bool, optional): Default: True.
+        grad_averaging (bool, optional): Default: True.
+        adam_w_mode (bool, optional): decoupled weight decay. Default: True.
+        use_nvlamb (bool, optional): the trust ratio for every tensor. Default: False.
+        block_size (int, optional): elements per scale. Default: 256.
+        seed (int, optional): the stochastic rounding seed. Default: 0.
+
+    Example::
+
+        >>> g, p = [torch.ones(4, 256)], [torch.ones(4, 256)]
+        >>> m, sm = encode(torch.zeros(4, 256), torch.int8)
+        >>> v, sv = encode(torch.zeros(4, 256), torch.uint8)
+        >>> hyper = dict(max_grad_norm=0.0, beta1=0.9, beta2=0.999, eps=1e-6,
+        ...              weight_decay=0.01, step=1)
+        >>> norm = torch.tensor([32.0])
+        >>> pn, un = multi_tensor_lamb_lean_stage1_(g, p, [m], [sm], [v], [sv], None, None,
+        ...                                         norm, **hyper)
+        >>> multi_tensor_lamb_lean_stage2_(g, p, [m], [sm], [v], [sv], pn, un, [], None, None,
+        ...                                norm, lr=0.01, **hyper)
+        >>> round(p[0][0, 0].item(), 4)   # 1 - lr * ||p|| / ||u|| * u, u = 1 + 0.01
+        0.99
+        >>> m[0, :3].tolist(), round(sm[0, 0].item(), 6)   # m = 0.1 * grad: codes 127, scale 0.1
+        ([127, 127, 127], 0.1)
+    """
+    _ops.multi_tensor_lamb_lean_stage2_(
+        grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales, param_norms,
+        update_norms, model_params, noop, inv_scale, global_grad_norm, max_grad_norm, lr, beta1,
+        beta2, eps, weight_decay, step, bias_correction, grad_averaging, adam_w_mode, use_nvlamb,
+        block_size, seed)

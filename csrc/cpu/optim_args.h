@@ -197,6 +197,10 @@ void lamb_stage2_op(at::TensorList params, at::TensorList exp_avgs, at::TensorLi
 // checks and do the work:
 //   B::adam_lean(op, const LeanLists<2>&, Flags, AdamHyper, LeanHyper)
 //   B::sgd_lean(op, const LeanLists<1>&, Flags, SgdHyper, LeanHyper)
+//   B::lamb_lean_moments(op, const LeanLists<2>&, Flags, LambLeanArgs, LeanHyper)
+//     -> (param_norms, update_norms), writing nothing
+//   B::lamb_lean_apply(op, const LeanLists<2>&, Flags, LambLeanArgs, param_norms,
+//                      update_norms, lr, LeanHyper)
 // after the op returned early for nothing: a set noop is the backend's to test.
 
 // One state list and its scales. `scales` may be empty when no tensor of the
@@ -364,6 +368,19 @@ void check_lean_lists(const char* op, const LeanLists<S>& l, int64_t block_size)
   }
 }
 
+// The lists of the ops over Adam's two moments (Adam, LAMB).
+inline LeanLists<2> moment_lean_lists(at::TensorList grads, at::TensorList params,
+                                      at::TensorList exp_avgs, at::TensorList exp_avg_scales,
+                                      at::TensorList exp_avg_sqs,
+                                      at::TensorList exp_avg_sq_scales,
+                                      at::TensorList model_params) {
+  return {grads,
+          params,
+          {{{"exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, true},
+            {"exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales, true}}},
+          model_params};
+}
+
 template <typename B>
 void adam_lean_op(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
                   at::TensorList exp_avg_scales, at::TensorList exp_avg_sqs,
@@ -373,12 +390,8 @@ void adam_lean_op(at::TensorList grads, at::TensorList params, at::TensorList ex
                   double beta2, double eps, double weight_decay, int64_t step, bool adam_w_mode,
                   bool bias_correction_on, int64_t block_size, int64_t seed) {
   constexpr const char* op = "multi_tensor_adam_lean_";
-  const LeanLists<2> lists{
-      grads,
-      params,
-      {{{"exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, true},
-        {"exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales, true}}},
-      model_params};
+  const LeanLists<2> lists = moment_lean_lists(grads, params, exp_avgs, exp_avg_scales,
+                                               exp_avg_sqs, exp_avg_sq_scales, model_params);
   check_lean_lists(op, lists, block_size);
   B::adam_lean(op, lists, Flags{noop, inv_scale},
                adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode,
@@ -409,6 +422,70 @@ void sgd_lean_op(at::TensorList grads, at::TensorList params, at::TensorList mom
               sgd_hyper(lr, weight_decay, momentum, dampening, nesterov, first_run,
                         wd_after_momentum),
               lean_hyper(block_size, seed, step));
+}
+
+// What both lean LAMB stages take besides their lists: the rule, the clipping
+// inputs (the backend computes the divisor, as lamb_stage1_op's), and whether
+// the trust ratio applies (and so whether stage 1 needs the params).
+struct LambLeanArgs {
+  LambHyper hyper;
+  const at::Tensor& global_grad_norm;
+  float max_grad_norm;
+  bool use_ratio;
+};
+
+inline LambLeanArgs lamb_lean_args(const at::Tensor& global_grad_norm, double max_grad_norm,
+                                   double beta1, double beta2, double eps, double weight_decay,
+                                   int64_t step, bool bias_correction_on, bool grad_averaging,
+                                   bool adam_w_mode, bool use_nvlamb) {
+  return {lamb_hyper(beta1, beta2, eps, weight_decay, step, bias_correction_on, grad_averaging,
+                     adam_w_mode),
+          global_grad_norm, f32(max_grad_norm), lamb_needs_norms(weight_decay, use_nvlamb)};
+}
+
+// multi_tensor_lamb_lean_stage1_: stage 1 on the decoded moments, which it
+// leaves as they are; stage 2 computes the same new moments again.
+template <typename B>
+std::tuple<at::Tensor, at::Tensor> lamb_lean_stage1_op(
+    at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+    at::TensorList exp_avg_scales, at::TensorList exp_avg_sqs, at::TensorList exp_avg_sq_scales,
+    const std::optional<at::Tensor>& noop, const std::optional<at::Tensor>& inv_scale,
+    const at::Tensor& global_grad_norm, double max_grad_norm, double beta1, double beta2,
+    double eps, double weight_decay, int64_t step, bool bias_correction_on, bool grad_averaging,
+    bool adam_w_mode, bool use_nvlamb, int64_t block_size) {
+  constexpr const char* op = "multi_tensor_lamb_lean_stage1_";
+  const LeanLists<2> lists = moment_lean_lists(grads, params, exp_avgs, exp_avg_scales,
+                                             exp_avg_sqs, exp_avg_sq_scales, {});
+  check_lean_lists(op, lists, block_size);
+  return B::lamb_lean_moments(
+      op, lists, Flags{noop, inv_scale},
+      lamb_lean_args(global_grad_norm, max_grad_norm, beta1, beta2, eps, weight_decay, step,
+                     bias_correction_on, grad_averaging, adam_w_mode, use_nvlamb),
+      lean_hyper(block_size, 0, step));
+}
+
+// multi_tensor_lamb_lean_stage2_: stage 1's moments again, stage 2's step,
+// the moments encoded and the params stored.
+template <typename B>
+void lamb_lean_stage2_op(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_scales, at::TensorList exp_avg_sqs,
+                         at::TensorList exp_avg_sq_scales, const at::Tensor& param_norms,
+                         const at::Tensor& update_norms, at::TensorList model_params,
+                         const std::optional<at::Tensor>& noop,
+                         const std::optional<at::Tensor>& inv_scale,
+                         const at::Tensor& global_grad_norm, double max_grad_norm, double lr,
+                         double beta1, double beta2, double eps, double weight_decay,
+                         int64_t step, bool bias_correction_on, bool grad_averaging,
+                         bool adam_w_mode, bool use_nvlamb, int64_t block_size, int64_t seed) {
+  constexpr const char* op = "multi_tensor_lamb_lean_stage2_";
+  const LeanLists<2> lists = moment_lean_lists(grads, params, exp_avgs, exp_avg_scales,
+                                             exp_avg_sqs, exp_avg_sq_scales, model_params);
+  check_lean_lists(op, lists, block_size);
+  B::lamb_lean_apply(
+      op, lists, Flags{noop, inv_scale},
+      lamb_lean_args(global_grad_norm, max_grad_norm, beta1, beta2, eps, weight_decay, step,
+                     bias_correction_on, grad_averaging, adam_w_mode, use_nvlamb),
+      param_norms, update_norms, f32(lr), lean_hyper(block_size, seed, step));
 }
 
 }  // namespace amp_patch::optim

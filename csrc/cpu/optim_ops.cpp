@@ -264,9 +264,9 @@ const float* per_tensor(const at::Tensor& t, size_t n, const char* op, const cha
 }
 
 // ---------------------------------------------------------------- lean state ops
-// multi_tensor_adam_lean_ / multi_tensor_sgd_lean_: the work unit is a chunk,
-// a run of whole blocks of one row (a tensor whose rows are whole blocks is
-// one long row). Per chunk, the grad, param and decoded state are widened into
+// multi_tensor_adam_lean_, multi_tensor_sgd_lean_ and the two LAMB stages: the
+// work unit is a chunk, a run of whole blocks of one row (a tensor whose rows
+// are whole blocks is one long row). Per chunk, the grad, param and decoded state are widened into
 // fp32 tiles, the ordinary fp32 loop of the op updates them, and the state is
 // encoded again, the param stored (bf16: stochastically rounded) and the model
 // copy written. The chunks are grouped into tasks of about kTaskElems
@@ -329,7 +329,12 @@ class LeanPlan {
   }
 
   // Lines the tensors up (contiguous stand-ins where needed) and cuts the chunks.
-  void build(const optim::LeanLists<S>& l, const optim::LeanHyper& h) {
+  // An op that writes nothing (`writes` false) gets stand-ins that finish()
+  // does not copy back.
+  void build(const optim::LeanLists<S>& l, const optim::LeanHyper& h, bool writes = true) {
+    auto state_ptr = [&](const at::Tensor& t) {
+      return writes ? write_ptr(t, false) : const_cast<void*>(read_ptr(t));
+    };
     const size_t n = l.grads.size();
     tensors_.resize(n);
     const int64_t bs = h.block_size;
@@ -343,7 +348,7 @@ class LeanPlan {
       }
       t.g = read_ptr(g);
       t.g_dt = element_type(g, op_, "grads", i);
-      t.p = write_ptr(l.params[i], false);
+      t.p = state_ptr(l.params[i]);
       t.p_dt = element_type(l.params[i], op_, "params", i);
       if (!l.model_params.empty()) {
         t.model = write_ptr(l.model_params[i], true);
@@ -355,7 +360,7 @@ class LeanPlan {
         }
         const at::Tensor& c = l.states[k].codes[i];
         t.sc[k] = optim::state_code(c.scalar_type());
-        t.code[k] = write_ptr(c, false);
+        t.code[k] = state_ptr(c);
         if (optim::block_scaled(t.sc[k])) {
           t.scale[k] = l.states[k].scales[i].template mutable_data_ptr<float>();
         }
@@ -416,6 +421,10 @@ class LeanPlan {
   }
 
   int64_t block_size() const { return block_size_; }
+  size_t chunk_count() const { return chunks_.size(); }
+  // The position of a chunk that run() handed out, in the plan's order.
+  size_t index_of(const LeanChunk& ch) const { return static_cast<size_t>(&ch - chunks_.data()); }
+  int64_t tensor_of(size_t chunk) const { return chunks_[chunk].tensor; }
 
  private:
   // Row-major memory of a tensor: the tensor, or a contiguous stand-in.
@@ -473,6 +482,17 @@ inline float* lean_decode(const OptimTable& k, const LeanTensor<S>& t, size_t s,
   }
   k.lean_decode[static_cast<int>(t.sc[s])](codes, t.scale[s] + (t.scale[s] ? ch.block : 0), tile,
                                            ch.len, block_size);
+  return tile;
+}
+
+// As lean_decode, but always into `tile`: the fp32 state is copied, not updated where it lies.
+template <size_t S>
+inline float* lean_decode_copy(const OptimTable& k, const LeanTensor<S>& t, size_t s,
+                               const LeanChunk& ch, float* tile, int64_t block_size) {
+  const float* x = lean_decode(k, t, s, ch, tile, block_size);
+  if (x != tile) {
+    std::copy(x, x + ch.len, tile);
+  }
   return tile;
 }
 
@@ -655,6 +675,71 @@ struct CpuBackend {
     plan.finish();
   }
 
+  // LAMB over lean state. Stage 1 decodes each chunk's moments into tiles,
+  // runs the fp32 stage-1 loop on them and keeps only the sums of squares (one
+  // pair per chunk, added per tensor in chunk order); stage 2 runs the same
+  // loop again (the same new moments, bit for bit), then the fp32 stage-2
+  // loop with the tensor's step size, and encodes and stores as the Adam op.
+  static std::tuple<at::Tensor, at::Tensor> lamb_lean_moments(
+      const char* op, const optim::LeanLists<2>& lists, const optim::Flags& flags,
+      const optim::LambLeanArgs& args, const optim::LeanHyper& lean) {
+    LeanPlan<2> plan(op, lists, lean);
+    const optim::LambHyper h =
+        clipped(args.hyper, flags, args.global_grad_norm, args.max_grad_norm, op);
+    const int64_t n_tensors = static_cast<int64_t>(lists.grads.size());
+    if (step_skipped(flags.noop, op)) {
+      return lamb_norms(n_tensors, {}, [](size_t) { return int64_t{0}; });
+    }
+    plan.build(lists, lean, /*writes=*/false);
+    const OptimTable& k = optim_kernels();
+    const KernelTable& conv = kernels();
+    const int64_t bs = lean.block_size;
+    std::vector<std::array<double, 2>> partial(plan.chunk_count(), {0.0, 0.0});
+    plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
+      const int64_t n = ch.len;
+      const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
+      const float* p =
+          args.use_ratio ? lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile) : nullptr;
+      float* m = lean_decode_copy(k, t, 0, ch, scratch + 2 * tile, bs);
+      float* v = lean_decode_copy(k, t, 1, ch, scratch + 3 * tile, bs);
+      k.lamb_moments(g, p, m, v, n, h, partial[plan.index_of(ch)].data());
+    });
+    plan.finish();
+    return lamb_norms(n_tensors, partial, [&](size_t c) { return plan.tensor_of(c); });
+  }
+
+  static void lamb_lean_apply(const char* op, const optim::LeanLists<2>& lists,
+                              const optim::Flags& flags, const optim::LambLeanArgs& args,
+                              const at::Tensor& param_norms, const at::Tensor& update_norms,
+                              float lr, const optim::LeanHyper& lean) {
+    LeanPlan<2> plan(op, lists, lean);
+    const optim::LambHyper h =
+        clipped(args.hyper, flags, args.global_grad_norm, args.max_grad_norm, op);
+    const std::vector<float> ratio =
+        lamb_ratios(op, lists.grads.size(), param_norms, update_norms, lr, args.use_ratio);
+    if (step_skipped(flags.noop, op)) {
+      return;
+    }
+    plan.build(lists, lean);
+    const OptimTable& k = optim_kernels();
+    const KernelTable& conv = kernels();
+    const int64_t bs = lean.block_size;
+    plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
+      const int64_t n = ch.len;
+      const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
+      float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
+      float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
+      float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
+      std::array<double, 2> unused{0.0, 0.0};
+      k.lamb_moments(g, args.use_ratio ? p : nullptr, m, v, n, h, unused.data());
+      k.lamb_apply(p, m, v, n, ratio[ch.tensor], h);
+      lean_encode(k, t, 0, ch, m, bs);
+      lean_encode(k, t, 1, ch, v, bs);
+      lean_store_param(k, conv, t, ch, p);
+    });
+    plan.finish();
+  }
+
   static void sgd(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
                   const optim::SgdHyper& hyper) {
     sweep(op, lists, flags, hyper, [](int64_t, float* const* f, int64_t n, const auto& h) {
@@ -683,19 +768,64 @@ struct CpuBackend {
     });
   }
 
+  // LAMB's rule with inv_scale read and the global grad-norm clipping divisor set.
+  static optim::LambHyper clipped(const optim::LambHyper& hyper, const optim::Flags& flags,
+                                  const at::Tensor& global_grad_norm, float max_grad_norm,
+                                  const char* op) {
+    optim::LambHyper h = scaled(hyper, flags, op);
+    const float norm = read_scalar(global_grad_norm, op, "global_grad_norm") * h.inv_scale;
+    h.clip = max_grad_norm > 0.0f && norm > max_grad_norm ? norm / max_grad_norm : 1.0f;
+    return h;
+  }
+
+  // LAMB's per-tensor step size: lr, times ||p|| / ||u|| where the ratio
+  // applies and both norms are non-zero.
+  static std::vector<float> lamb_ratios(const char* op, size_t n_tensors,
+                                        const at::Tensor& param_norms,
+                                        const at::Tensor& update_norms, float lr,
+                                        bool use_ratio) {
+    const float* pn = per_tensor(param_norms, n_tensors, op, "param_norms");
+    const float* un = per_tensor(update_norms, n_tensors, op, "update_norms");
+    std::vector<float> ratio(n_tensors, lr);
+    for (size_t i = 0; use_ratio && i < n_tensors; ++i) {
+      if (pn[i] != 0.0f && un[i] != 0.0f) {
+        ratio[i] = lr * (pn[i] / un[i]);
+      }
+    }
+    return ratio;
+  }
+
+  // Per-tensor norms from partial sums of squares (partial[i] belongs to
+  // tensor tensor_of(i)), added in their order: the result does not depend on
+  // which thread summed which part.
+  template <typename TensorOf>
+  static std::tuple<at::Tensor, at::Tensor> lamb_norms(
+      int64_t n, const std::vector<std::array<double, 2>>& partial, const TensorOf& tensor_of) {
+    std::vector<std::array<double, 2>> sums(n, {0.0, 0.0});
+    for (size_t i = 0; i < partial.size(); ++i) {
+      sums[tensor_of(i)][0] += partial[i][0];
+      sums[tensor_of(i)][1] += partial[i][1];
+    }
+    const auto fp32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor param_norms = at::zeros({n}, fp32);
+    at::Tensor update_norms = at::zeros({n}, fp32);
+    float* pn = param_norms.mutable_data_ptr<float>();
+    float* un = update_norms.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      pn[i] = static_cast<float>(std::sqrt(sums[i][0]));
+      un[i] = static_cast<float>(std::sqrt(sums[i][1]));
+    }
+    return {param_norms, update_norms};
+  }
+
   static std::tuple<at::Tensor, at::Tensor> lamb_moments(
       const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
       const optim::LambHyper& hyper, const at::Tensor& global_grad_norm, float max_grad_norm) {
     RowPlan plan(op, lists);
-    optim::LambHyper h = scaled(hyper, flags, op);
-    const float norm = read_scalar(global_grad_norm, op, "global_grad_norm") * h.inv_scale;
-    h.clip = max_grad_norm > 0.0f && norm > max_grad_norm ? norm / max_grad_norm : 1.0f;
-    const auto fp32 = at::TensorOptions().dtype(at::kFloat);
+    const optim::LambHyper h = clipped(hyper, flags, global_grad_norm, max_grad_norm, op);
     const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
-    at::Tensor param_norms = at::zeros({n}, fp32);
-    at::Tensor update_norms = at::zeros({n}, fp32);
     if (step_skipped(flags.noop, op)) {
-      return {param_norms, update_norms};
+      return lamb_norms(n, {}, [](size_t) { return int64_t{0}; });
     }
     // One pair of partial sums per piece, added per tensor in piece order: the
     // result does not depend on the thread count.
@@ -708,32 +838,14 @@ struct CpuBackend {
       });
     });
     plan.finish();
-    std::vector<std::array<double, 2>> sums(n, {0.0, 0.0});
-    for (size_t i = 0; i < partial.size(); ++i) {
-      sums[plan.pieces()[i].job][0] += partial[i][0];
-      sums[plan.pieces()[i].job][1] += partial[i][1];
-    }
-    float* pn = param_norms.mutable_data_ptr<float>();
-    float* un = update_norms.mutable_data_ptr<float>();
-    for (int64_t i = 0; i < n; ++i) {
-      pn[i] = static_cast<float>(std::sqrt(sums[i][0]));
-      un[i] = static_cast<float>(std::sqrt(sums[i][1]));
-    }
-    return {param_norms, update_norms};
+    return lamb_norms(n, partial, [&](size_t i) { return plan.pieces()[i].job; });
   }
 
   static void lamb_apply(const char* op, const optim::Lists<4>& lists, const optim::Flags& flags,
                          const optim::LambHyper& hyper, const at::Tensor& param_norms,
                          const at::Tensor& update_norms, float lr, bool use_ratio) {
-    const size_t n_tensors = lists[0].tensors.size();
-    const float* pn = per_tensor(param_norms, n_tensors, op, "param_norms");
-    const float* un = per_tensor(update_norms, n_tensors, op, "update_norms");
-    std::vector<float> ratio(n_tensors, lr);
-    for (size_t i = 0; use_ratio && i < n_tensors; ++i) {
-      if (pn[i] != 0.0f && un[i] != 0.0f) {
-        ratio[i] = lr * (pn[i] / un[i]);
-      }
-    }
+    const std::vector<float> ratio =
+        lamb_ratios(op, lists[0].tensors.size(), param_norms, update_norms, lr, use_ratio);
     sweep(op, lists, flags, hyper, [&](int64_t r, float* const* f, int64_t n, const auto& h) {
       optim_kernels().lamb_apply(f[0], f[1], f[2], n, ratio[r], h);
     });
@@ -754,4 +866,6 @@ TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
   m.impl("multi_tensor_lamb_stage2_", &optim::lamb_stage2_op<CpuBackend>);
   m.impl("multi_tensor_adam_lean_", &optim::adam_lean_op<CpuBackend>);
   m.impl("multi_tensor_sgd_lean_", &optim::sgd_lean_op<CpuBackend>);
+  m.impl("multi_tensor_lamb_lean_stage1_", &optim::lamb_lean_stage1_op<CpuBackend>);
+  m.impl("multi_tensor_lamb_lean_stage2_", &optim::lamb_lean_stage2_op<CpuBackend>);
 }
