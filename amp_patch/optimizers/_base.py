@@ -457,6 +457,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         return float(value)
 
 
+def lean_scales(state: list[tuple[Tensor, Tensor | None]]) -> list[Tensor]:
+    """The scales list of a lean op call from ``(codes, scales)`` pairs: one per tensor when
+    the codes are block-scaled, else empty (a batch's tensors share their codes)."""
+    return [s for _, s in state if s is not None]
+
+
 def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
     if t is None or t.device == device:
         return t

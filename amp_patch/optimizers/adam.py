@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from amp_patch import ops
-from amp_patch.optimizers._base import FusedOptimizer, _on
+from amp_patch.optimizers._base import FusedOptimizer, _on, lean_scales
 from amp_patch.tensors import local_tensors
 
 __all__ = ["FusedAdam"]
@@ -166,14 +166,9 @@ class FusedAdam(FusedOptimizer):
                                        local_tensors(b.model_params), b.noop, inv, **hyper)
                 continue
             ops.multi_tensor_adam_lean_(
-                grads, params, m_codes, local_tensors(_scales(m)), v_codes,
-                local_tensors(_scales(v)), local_tensors(b.model_params), b.noop, inv, **hyper,
+                grads, params, m_codes, local_tensors(lean_scales(m)), v_codes,
+                local_tensors(lean_scales(v)), local_tensors(b.model_params), b.noop, inv, **hyper,
                 block_size=fmt.block_size, seed=self.rounding_seed)
-
-
-def _scales(state: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
-    """The scales list of a lean op call: one per tensor when the codes are block-scaled."""
-    return [s for _, s in state if s is not None]
 
 
 def _tensors_to_device(group: dict[str, Any]) -> None:

@@ -29,9 +29,8 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.ops.lean_state_ops import decode, encode, random_bits, stochastic_round_bf16
-from amp_patch.optimizers._base import FusedOptimizer, _Batch, whole_tensor_norms
-from amp_patch.tensors import local_tensor, local_tensors
+from amp_patch.optimizers._base import FusedOptimizer, _Batch, lean_scales, whole_tensor_norms
+from amp_patch.tensors import local_tensors
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
 
@@ -43,7 +42,9 @@ class _LambBase(FusedOptimizer):
     use_nvlamb: bool
 
     def _fused_step(self) -> None:
-        batches = [self._batches(group) for group in self.param_groups]
+        fmt = self.state_format
+        # One call per pair of codes: the lean ops take one scales list per moment.
+        batches = [self._batches(group, split=fmt.codes) for group in self.param_groups]
         norms = self._grad_norms()
         max_grad_norm = self._scalar(self.defaults["max_grad_norm"] or 0.0)
         for group, group_batches in zip(self.param_groups, batches):
@@ -60,7 +61,7 @@ class _LambBase(FusedOptimizer):
                           grad_averaging=bool(group["grad_averaging"]), **hyper)
             for b in group_batches:
                 if self._lean_step(b):
-                    self._lean_batch(b, norms[b.device], lr, stage1, hyper)
+                    self._lean_batch(b, norms[b.device], lr, stage1)
                     continue
                 # The param's dtype, converted back if a lean format stored it otherwise.
                 m = [self._lean_state(p, "exp_avg", s.dtype)[0] for p, s in zip(b.keys, b.params)]
@@ -77,42 +78,25 @@ class _LambBase(FusedOptimizer):
                     params, m, v, param_norms, update_norms, local_tensors(b.model_params),
                     b.noop, lr=lr, **hyper)
 
-    def _lean_batch(self, b: _Batch, norm: Tensor, lr: float, stage1: dict[str, Any],
-                    hyper: dict[str, Any]) -> None:
-        """LAMB over low-precision state, one tensor at a time: decode its moments (and widen a
-        bf16 param) to fp32, run both fused stages on them, then encode the moments and write
-        the param (stochastically rounded when it is a bf16 master). The fp32 copies exist for
-        one tensor at a time; unlike Adam's and SGD's lean ops this is not one pass."""
+    def _lean_batch(self, b: _Batch, norm: Tensor, lr: float, stage1: dict[str, Any]) -> None:
+        """LAMB over low-precision state (or bf16 params): the two lean stages. Stage 1 reads
+        the moments' codes for the norms and writes nothing; stage 2 computes the same new
+        moments again, steps, encodes them and writes the params (a bf16 master rounded
+        stochastically) and the model copies. No fp32 copy of the state outlives a call."""
         fmt = self.state_format
-        for i, (key, stepped, grad) in enumerate(zip(b.keys, b.params, b.grads)):
-            first, second = fmt.codes(key)
-            (mc, ms), (vc, vs) = (self._lean_state(key, "exp_avg", first),
-                                  self._lean_state(key, "exp_avg_sq", second))
-            m = decode(local_tensor(mc), None if ms is None else local_tensor(ms), fmt.block_size)
-            v = decode(local_tensor(vc), None if vs is None else local_tensor(vs), fmt.block_size)
-            target = local_tensor(stepped)
-            p = target if target.dtype == torch.float32 else target.float()
-            out = [local_tensor(b.model_params[i])] if b.model_params else []
-            local_norms = ops.multi_tensor_lamb_stage1_(
-                [local_tensor(grad)], [p], [m], [v], b.noop, b.inv_scale, norm, **stage1)
-            param_norms, update_norms = whole_tensor_norms([stepped], *local_norms)
-            # A model copy of a bf16 master is written from the master as stored (below), so
-            # that the model is always its master rounded, as a checkpoint restores it.
-            ops.multi_tensor_lamb_stage2_([p], [m], [v], param_norms, update_norms,
-                                          out if p is target else [], b.noop, lr=lr, **hyper)
-            with torch.no_grad():
-                if p is not target:
-                    if target.dtype == torch.bfloat16 and self.stochastic_rounding:
-                        p = stochastic_round_bf16(p, random_bits(
-                            self.rounding_seed, hyper["step"], i, p.numel(), p.device))
-                    target.copy_(p)
-                    for model_p in out:
-                        model_p.copy_(target)
-                for codes, scales, value in ((mc, ms, m), (vc, vs, v)):
-                    new_codes, new_scales = encode(value, codes.dtype, fmt.block_size)
-                    local_tensor(codes).copy_(new_codes)
-                    if scales is not None:
-                        local_tensor(scales).copy_(new_scales)  # type: ignore[arg-type]
+        first, second = fmt.codes(b.keys[0])
+        m = [self._lean_state(key, "exp_avg", first) for key in b.keys]
+        v = [self._lean_state(key, "exp_avg_sq", second) for key in b.keys]
+        lists = (local_tensors(b.grads), local_tensors(b.params),
+                 local_tensors([c for c, _ in m]), local_tensors(lean_scales(m)),
+                 local_tensors([c for c, _ in v]), local_tensors(lean_scales(v)))
+        local_norms = ops.multi_tensor_lamb_lean_stage1_(
+            *lists, b.noop, b.inv_scale, norm, **stage1, block_size=fmt.block_size)
+        param_norms, update_norms = whole_tensor_norms(b.params, *local_norms)
+        ops.multi_tensor_lamb_lean_stage2_(
+            *lists, param_norms, update_norms, local_tensors(b.model_params), b.noop,
+            b.inv_scale, norm, **stage1, lr=lr, block_size=fmt.block_size,
+            seed=self.rounding_seed)
 
 
 class FusedLAMB(_LambBase):
@@ -135,9 +119,11 @@ class FusedLAMB(_LambBase):
     clipping uses the constructor's ``max_grad_norm`` for all groups, as in Apex.
     State (``exp_avg``, ``exp_avg_sq``) has each param's dtype, or the codes of
     a low-precision ``state_format`` (set by ``initialize(optimizer_state=...)``;
-    see :mod:`amp_patch.optimizers.state_format`): then each tensor's moments
-    are decoded to fp32 for its two stages and encoded after, one tensor at a
-    time, rather than in one pass as FusedAdam's.
+    see :mod:`amp_patch.optimizers.state_format`): then the two stages are
+    :func:`~amp_patch.ops.multi_tensor_lamb_lean_stage1_` and
+    :func:`~amp_patch.ops.multi_tensor_lamb_lean_stage2_`, which decode the
+    codes as they go (stage 2 computes stage 1's new moments again and encodes
+    them), and a bf16 param is written with stochastic rounding.
 
     Args:
         params (iterable): parameters or parameter groups.

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.optimizer import required
 
 from amp_patch import ops
-from amp_patch.optimizers._base import FusedOptimizer
+from amp_patch.optimizers._base import FusedOptimizer, lean_scales
 from amp_patch.tensors import local_tensors
 
 __all__ = ["FusedSGD"]
@@ -147,7 +147,7 @@ class FusedSGD(FusedOptimizer):
             if step is None:  # the rounding bits' step count, kept only by lean steps
                 step = self._next_step(group)
             ops.multi_tensor_sgd_lean_(
-                grads, params, codes, local_tensors([s for _, s in buffers if s is not None]),
+                grads, params, codes, local_tensors(lean_scales(buffers)),
                 local_tensors(b.model_params), b.noop, inv, **hyper,
                 step=step, block_size=fmt.block_size, seed=self.rounding_seed)
 
