@@ -751,11 +751,40 @@ AMP_CPU_INLINE void finish_block(float* x, void* codes, float* scale, int64_t le
   }
 }
 
-// Adam over a chunk in one pass per block: grads of type G and params of type
-// P (float or BFloat16) read and written in registers, the moments decoded in
-// registers, updated by adam_tile_loop<true>'s rule, and the block-scaled ones
+// The element rules of the fused lean loop. Each updates the moments and the
+// param of one vector and returns sqrt(v) when kRoot (the square-root code
+// keeps it); the rule object is a local copy of its hyper-parameters (see the
+// note on aliasing above).
+struct AdamLeanStep {
+  optim::AdamHyper h;
+  template <bool kRoot>
+  AMP_CPU_INLINE FVec step(const FVec& g, FVec& p, FVec& m, FVec& v) const {
+    return optim::adam_lean_update(g, p, m, v, h);  // sqrt(v) is part of the update
+  }
+};
+
+// LAMB's stage 2: stage 1's moments (the same bits as lamb_moments_loop's),
+// then the step along the direction with the tensor's step size.
+struct LambLeanStep {
+  optim::LambHyper h;
+  FVec ratio;
+  template <bool kRoot>
+  AMP_CPU_INLINE FVec step(const FVec& g, FVec& p, FVec& m, FVec& v) const {
+    optim::lamb_new_moments(g, p, m, v, h);
+    optim::lamb_apply(p, m, v, ratio, h);
+    if constexpr (kRoot) {
+      return optim::sqrt_rn(v);
+    } else {
+      return v;
+    }
+  }
+};
+
+// A chunk of a lean-state row in one pass per block: grads of type G and
+// params of type P (float or BFloat16) read and written in registers, the
+// moments decoded in registers, updated by `rule`, and the block-scaled ones
 // kept in an fp32 tile until the block's scale is known. The bits are those of
-// the decode / adam_tile<true> / encode / stochastic_bf16 loops run one after
+// the decode / fp32 rule / encode / stochastic_bf16 loops run one after
 // another. Blocks must be whole kBlock groups except the last of a row
 // (block_size a multiple of 32). p_out (may be null) receives the updated fp32
 // params; each tile holds n values.
@@ -765,15 +794,15 @@ AMP_CPU_INLINE void finish_block(float* x, void* codes, float* scale, int64_t le
 // step of the next block's loop, so that this work fills the time spent
 // waiting on them rather than following it (the int8 step took 1.3x the bf16
 // one when each block was coded after its loop).
-template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
-void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_scales,
-                    void* v_codes, float* v_scales, float* p_out, float* tiles, int64_t tile,
-                    int64_t n, int64_t block_size, uint32_t key, int64_t e0,
-                    const optim::AdamHyper& hyper) {
+template <typename G, typename P, optim::StateCode MC, optim::StateCode VC, typename Rule>
+AMP_CPU_INLINE void lean_moments_loop(const void* grads, void* params, void* m_codes,
+                                      float* m_scales, void* v_codes, float* v_scales,
+                                      float* p_out, float* tiles, int64_t tile, int64_t n,
+                                      int64_t block_size, uint32_t key, int64_t e0,
+                                      const Rule rule) {
   // A plain loop over the blocks (for_code_blocks' lambda is not inlined, and
-  // behind its reference every float store could alias h's fields, which were
-  // then reloaded and re-tested for each vector).
-  const optim::AdamHyper h = hyper;
+  // behind its reference every float store could alias the rule's fields, which
+  // were then reloaded and re-tested for each vector).
   const G* g = static_cast<const G*>(grads);
   P* p = static_cast<P*>(params);
   float* mt = tiles;
@@ -800,8 +829,9 @@ void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_sca
       decode_vectors<MC>(m_codes, at, c, fm, mv[0], mv[1]);
       decode_vectors<VC>(v_codes, at, c, fv, vv[0], vv[1]);
       for (int k = 0; k < 2; ++k) {
-        const FVec r = optim::adam_lean_update(gv[k], pv[k], mv[k], vv[k], h);
-        if constexpr (VC == optim::StateCode::kSqrtU8) {
+        constexpr bool kRoot = VC == optim::StateCode::kSqrtU8;
+        const FVec r = rule.template step<kRoot>(gv[k], pv[k], mv[k], vv[k]);
+        if constexpr (kRoot) {
           vv[k] = r;  // the square-root code stores sqrt(v)
         }
       }
@@ -836,6 +866,73 @@ void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_sca
   write_late_codes<VC>(late_v, 0, late_v.len);
 }
 
+template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
+void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_scales,
+                    void* v_codes, float* v_scales, float* p_out, float* tiles, int64_t tile,
+                    int64_t n, int64_t block_size, uint32_t key, int64_t e0,
+                    const optim::AdamHyper& hyper) {
+  lean_moments_loop<G, P, MC, VC>(grads, params, m_codes, m_scales, v_codes, v_scales, p_out,
+                                  tiles, tile, n, block_size, key, e0, AdamLeanStep{hyper});
+}
+
+template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
+void lamb_lean_loop(const void* grads, void* params, void* m_codes, float* m_scales,
+                    void* v_codes, float* v_scales, float* p_out, float* tiles, int64_t tile,
+                    int64_t n, int64_t block_size, uint32_t key, int64_t e0, float ratio,
+                    const optim::LambHyper& hyper) {
+  lean_moments_loop<G, P, MC, VC>(grads, params, m_codes, m_scales, v_codes, v_scales, p_out,
+                                  tiles, tile, n, block_size, key, e0,
+                                  LambLeanStep{hyper, FVec(ratio)});
+}
+
+// LAMB's stage 1 over a chunk of a lean-state row, writing nothing: the
+// moments decoded in registers, the direction u of lamb_moments_loop's rule,
+// and sums[0] += sum(p^2) (when with_params), sums[1] += sum(u^2), the lanes
+// added in lamb_moments_loop's order, so the sums have its bits.
+template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
+void lamb_lean_norms_loop(const void* grads, const void* params, const void* m_codes,
+                          const float* m_scales, const void* v_codes, const float* v_scales,
+                          int64_t n, int64_t block_size, bool with_params,
+                          const optim::LambHyper& hyper, double* sums) {
+  const optim::LambHyper h = hyper;
+  const G* g = static_cast<const G*>(grads);
+  const P* p = static_cast<const P*>(params);
+  FVec p_acc(0.0f), u_acc(0.0f);
+  int64_t b = 0;
+  for (int64_t j = 0; j < n; j += block_size, ++b) {
+    const int64_t len = std::min(block_size, n - j);
+    const FVec fm(optim::block_scaled(MC) ? m_scales[b] / optim::code_max(MC) : 1.0f);
+    const FVec fv(optim::block_scaled(VC) ? v_scales[b] / optim::code_max(VC) : 1.0f);
+    for (int64_t i = 0; i < len; i += kBlock) {
+      const int64_t c = std::min<int64_t>(kBlock, len - i);
+      const int64_t at = j + i;
+      FVec gv[2], pv[2], mv[2], vv[2];
+      if (c == kBlock) {
+        Block<G>::load(g + at, gv[0], gv[1]);
+        Block<P>::load(p + at, pv[0], pv[1]);
+      } else {
+        load_block(g + at, c, gv[0], gv[1]);
+        load_block(p + at, c, pv[0], pv[1]);
+      }
+      decode_vectors<MC>(m_codes, at, c, fm, mv[0], mv[1]);
+      decode_vectors<VC>(v_codes, at, c, fv, vv[0], vv[1]);
+      for (int k = 0; k < 2; ++k) {
+        const int64_t count = std::min<int64_t>(kW, c - k * kW);  // as for_vectors' counts
+        if (count <= 0) {
+          break;
+        }
+        const FVec u = optim::lamb_moments(gv[k], pv[k], mv[k], vv[k], h);
+        add_squares(p_acc, pv[k], count);
+        add_squares(u_acc, u, count);
+      }
+    }
+  }
+  if (with_params) {
+    sums[0] += lane_sum(p_acc);
+  }
+  sums[1] += lane_sum(u_acc);
+}
+
 template <typename G, typename P, int MI, int VI>
 void fill_adam_lean(OptimTable& t) {
   constexpr optim::StateCode kM[] = {optim::StateCode::kBF16, optim::StateCode::kInt8,
@@ -845,6 +942,8 @@ void fill_adam_lean(OptimTable& t) {
   constexpr int gi = std::is_same_v<G, float> ? kF32 : (std::is_same_v<G, c10::Half> ? kF16 : kBF16);
   constexpr int pi = std::is_same_v<P, float> ? 0 : 1;
   t.adam_lean_fused[gi][pi][MI][VI] = &adam_lean_loop<G, P, kM[MI], kV[VI]>;
+  t.lamb_lean_fused[gi][pi][MI][VI] = &lamb_lean_loop<G, P, kM[MI], kV[VI]>;
+  t.lamb_lean_norms_fused[gi][pi][MI][VI] = &lamb_lean_norms_loop<G, P, kM[MI], kV[VI]>;
 }
 
 template <typename G, typename P>
@@ -875,6 +974,8 @@ OptimTable optim_table() {
                {&f32_encode, &bf16_encode, &scaled_encode<StateCode::kInt8>,
                 &scaled_encode<StateCode::kSqrtU8>, &scaled_encode<StateCode::kE4M3>},
                &stochastic_bf16_loop,
+               {},
+               {},
                {},
                {}};
   using c10::BFloat16;

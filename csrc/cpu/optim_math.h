@@ -266,13 +266,6 @@ AMP_OPTIM_FN void adam_new_moments(T g, const T& p, T& m, T& v, const AdamHyper&
   v = T(h.beta2) * v + T(h.one_minus_beta2) * g * g;
 }
 
-// Adam's moments as adam_new_moments; returns the update direction.
-template <typename T>
-AMP_OPTIM_FN T adam_moments(T g, const T& p, T& m, T& v, const AdamHyper& h) {
-  adam_new_moments(g, p, m, v, h);
-  return adam_direction(m, v, p, h);
-}
-
 // Adam / AdamW in two halves, so that a loop can store the moments before the
 // long division and square-root chain of the second: the moments from the
 // scaled grad, then the param from the moments.
@@ -378,11 +371,18 @@ AMP_OPTIM_FN void novograd_update(T g, T& p, T& m, T denom, const NovoGradHyper&
 }
 
 // LAMB stage 1: the moments, from the grad unscaled and divided by the clipping
-// divisor. Returns the update direction (for its norm); stage 2 recomputes it
-// from the stored moments, so no update buffer is needed.
+// divisor (lamb_new_moments, which the lean stage 2 runs again). Returns the
+// update direction (for its norm); stage 2 recomputes it from the stored
+// moments, so no update buffer is needed.
 template <typename T>
-AMP_OPTIM_FN T lamb_moments(T g, const T& p, T& m, T& v, const LambHyper& h) {
-  return adam_moments((g * T(h.inv_scale)) / T(h.clip), p, m, v, h);
+AMP_OPTIM_FN void lamb_new_moments(const T& g, const T& p, T& m, T& v, const LambHyper& h) {
+  adam_new_moments((g * T(h.inv_scale)) / T(h.clip), p, m, v, h);
+}
+
+template <typename T>
+AMP_OPTIM_FN T lamb_moments(const T& g, const T& p, T& m, T& v, const LambHyper& h) {
+  lamb_new_moments(g, p, m, v, h);
+  return adam_direction(m, v, p, h);
 }
 
 // LAMB stage 2: the step along the direction, scaled by the tensor's trust ratio.

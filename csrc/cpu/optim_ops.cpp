@@ -471,16 +471,27 @@ inline int64_t code_bytes(optim::StateCode c) {
   return c == optim::StateCode::kF32 ? 4 : (c == optim::StateCode::kBF16 ? 2 : 1);
 }
 
+// A state list's codes of a chunk, and its scales (null for unscaled codes).
+template <size_t S>
+inline void* chunk_codes(const LeanTensor<S>& t, int s, const LeanChunk& ch) {
+  return static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
+}
+
+template <size_t S>
+inline float* chunk_scales(const LeanTensor<S>& t, int s, const LeanChunk& ch) {
+  return t.scale[s] != nullptr ? t.scale[s] + ch.block : nullptr;
+}
+
 // The fp32 values of state k of a chunk: the codes decoded into `tile`, or
 // the fp32 state where it lies.
 template <size_t S>
 inline float* lean_decode(const OptimTable& k, const LeanTensor<S>& t, size_t s,
                           const LeanChunk& ch, float* tile, int64_t block_size) {
-  void* codes = static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
+  void* codes = chunk_codes(t, static_cast<int>(s), ch);
   if (t.sc[s] == optim::StateCode::kF32) {
     return static_cast<float*>(codes);
   }
-  k.lean_decode[static_cast<int>(t.sc[s])](codes, t.scale[s] + (t.scale[s] ? ch.block : 0), tile,
+  k.lean_decode[static_cast<int>(t.sc[s])](codes, chunk_scales(t, static_cast<int>(s), ch), tile,
                                            ch.len, block_size);
   return tile;
 }
@@ -502,15 +513,16 @@ inline void lean_encode(const OptimTable& k, const LeanTensor<S>& t, size_t s,
   if (t.sc[s] == optim::StateCode::kF32) {
     return;  // updated where it lies
   }
-  void* codes = static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
-  k.lean_encode[static_cast<int>(t.sc[s])](values, codes, t.scale[s] + (t.scale[s] ? ch.block : 0),
-                                           ch.len, block_size);
+  k.lean_encode[static_cast<int>(t.sc[s])](values, chunk_codes(t, static_cast<int>(s), ch),
+                                           chunk_scales(t, static_cast<int>(s), ch), ch.len,
+                                           block_size);
 }
 
-// The fused Adam loop for a tensor's dtypes and codes, or null (the tiles serve).
-template <size_t S>
-inline AdamLeanLoop fused_adam_lean(const OptimTable& k, const LeanTensor<S>& t,
-                                    int64_t block_size) {
+// The fused loop of `table` (OptimTable's adam_lean_fused, lamb_lean_fused,
+// ...) for a tensor's dtypes and codes, or null (the tiles serve).
+template <typename Loop, size_t S>
+inline Loop fused_lean(const Loop (&table)[3][2][3][3], const LeanTensor<S>& t,
+                       int64_t block_size) {
   auto index = [](optim::StateCode c, optim::StateCode scaled) {
     return c == optim::StateCode::kBF16 ? 0 : c == scaled ? 1 : c == optim::StateCode::kE4M3 ? 2 : -1;
   };
@@ -520,8 +532,9 @@ inline AdamLeanLoop fused_adam_lean(const OptimTable& k, const LeanTensor<S>& t,
   if (block_size % kLeanFusedAlign != 0 || mi < 0 || vi < 0 || pi < 0 || t.g_dt > kBF16) {
     return nullptr;
   }
-  return k.adam_lean_fused[t.g_dt][pi][mi][vi];
+  return table[t.g_dt][pi][mi][vi];
 }
+
 
 // The model copy of a chunk: the param as stored (a bf16 master's own bits,
 // an fp16 param's rounded value) rounded to the model's dtype, so that the
@@ -617,16 +630,13 @@ struct CpuBackend {
     const int64_t bs = lean.block_size;
     plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
       const int64_t n = ch.len;
-      if (const AdamLeanLoop fused = fused_adam_lean(k, t, bs)) {
-        auto codes = [&](int s) {
-          return static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
-        };
-        auto scales = [&](int s) { return t.scale[s] != nullptr ? t.scale[s] + ch.block : nullptr; };
+      if (const AdamLeanLoop fused = fused_lean(k.adam_lean_fused, t, bs)) {
         // The fp32 update, for the model copy of an fp32 param (a half param's copy is
         // made from the param as stored).
         float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
-        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin), codes(0), scales(0),
-              codes(1), scales(1), p_out, scratch, tile, n, bs, t.key, ch.begin, h);
+        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin),
+              chunk_codes(t, 0, ch), chunk_scales(t, 0, ch), chunk_codes(t, 1, ch),
+              chunk_scales(t, 1, ch), p_out, scratch, tile, n, bs, t.key, ch.begin, h);
         lean_model_copy(conv, t, ch, p_out);
         return;
       }
@@ -697,12 +707,19 @@ struct CpuBackend {
     std::vector<std::array<double, 2>> partial(plan.chunk_count(), {0.0, 0.0});
     plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
       const int64_t n = ch.len;
+      double* sums = partial[plan.index_of(ch)].data();
+      if (const LambLeanNormsLoop fused = fused_lean(k.lamb_lean_norms_fused, t, bs)) {
+        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin),
+              chunk_codes(t, 0, ch), chunk_scales(t, 0, ch), chunk_codes(t, 1, ch),
+              chunk_scales(t, 1, ch), n, bs, args.use_ratio, h, sums);
+        return;
+      }
       const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
       const float* p =
           args.use_ratio ? lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile) : nullptr;
       float* m = lean_decode_copy(k, t, 0, ch, scratch + 2 * tile, bs);
       float* v = lean_decode_copy(k, t, 1, ch, scratch + 3 * tile, bs);
-      k.lamb_moments(g, p, m, v, n, h, partial[plan.index_of(ch)].data());
+      k.lamb_moments(g, p, m, v, n, h, sums);
     });
     plan.finish();
     return lamb_norms(n_tensors, partial, [&](size_t c) { return plan.tensor_of(c); });
@@ -726,6 +743,15 @@ struct CpuBackend {
     const int64_t bs = lean.block_size;
     plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
       const int64_t n = ch.len;
+      if (const LambLeanLoop fused = fused_lean(k.lamb_lean_fused, t, bs)) {
+        float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
+        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin),
+              chunk_codes(t, 0, ch), chunk_scales(t, 0, ch), chunk_codes(t, 1, ch),
+              chunk_scales(t, 1, ch), p_out, scratch, tile, n, bs, t.key, ch.begin,
+              ratio[ch.tensor], h);
+        lean_model_copy(conv, t, ch, p_out);
+        return;
+      }
       const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
       float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
       float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);

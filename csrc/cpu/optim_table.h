@@ -63,6 +63,19 @@ using AdamLeanLoop = void (*)(const void* g, void* p, void* m_codes, float* m_sc
                               int64_t tile, int64_t n, int64_t block_size, uint32_t key,
                               int64_t e0, const optim::AdamHyper& h);
 constexpr int64_t kLeanFusedAlign = 32;
+// LAMB's stage 2 as AdamLeanLoop, with the tensor's step size (lr times its
+// trust ratio); bit-identical to the decode, lamb_moments, lamb_apply, encode
+// and store loops in turn.
+using LambLeanLoop = void (*)(const void* g, void* p, void* m_codes, float* m_scales,
+                              void* v_codes, float* v_scales, float* p_out, float* tiles,
+                              int64_t tile, int64_t n, int64_t block_size, uint32_t key,
+                              int64_t e0, float ratio, const optim::LambHyper& h);
+// LAMB's stage 1 over a chunk, writing nothing: the sums of LambMomentsLoop
+// (sums[0] only when with_params), bit for bit.
+using LambLeanNormsLoop = void (*)(const void* g, const void* p, const void* m_codes,
+                                   const float* m_scales, const void* v_codes,
+                                   const float* v_scales, int64_t n, int64_t block_size,
+                                   bool with_params, const optim::LambHyper& h, double* sums);
 
 struct OptimTable {
   AdamLoop adam;
@@ -81,6 +94,8 @@ struct OptimTable {
   // [grad dtype: kF32, kF16, kBF16][param: fp32, bf16][m: bf16, int8, e4m3]
   // [v: bf16, uint8, e4m3]; null elsewhere (the tiles of optim_ops.cpp serve).
   AdamLeanLoop adam_lean_fused[3][2][3][3];
+  LambLeanLoop lamb_lean_fused[3][2][3][3];  // indexed as adam_lean_fused
+  LambLeanNormsLoop lamb_lean_norms_fused[3][2][3][3];
 };
 
 // One table per instruction set; the AVX ones exist on x86 only.
