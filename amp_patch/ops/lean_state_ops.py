@@ -420,6 +420,17 @@ def _scale_of(states: Sequence[Tensor], scales: Sequence[Tensor], i: int) -> Ten
 
 # --------------------------------------------------------------------------- reference bodies
 
+def _check_moment_lists(op, grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                        exp_avg_sq_scales, model_params, block_size) -> None:
+    """The checks of the ops over Adam's two moments (Adam, LAMB's stages), in their order."""
+    _check_rows(op, grads=grads, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                model_params=model_params or None)
+    _check_common(op, params, block_size)
+    _check_state(op, "exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, block_size)
+    _check_state(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
+                 block_size)
+
+
 def _lean_corrections(b1: float, b2: float, step: int, enabled: bool) -> tuple[float, float]:
     """``1 / bc1`` and ``1 / sqrt(bc2)``, each computed in float64 and rounded to fp32 once."""
     if not enabled:
@@ -440,13 +451,8 @@ def _adam_lean_direction(m: Tensor, v: Tensor, p: Tensor, inv_bc1: float, inv_sq
 def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales,
                    model_params, noop, inv_scale, lr, beta1, beta2, eps, weight_decay, step,
                    adam_w_mode, bias_correction, block_size, seed) -> None:
-    op = "multi_tensor_adam_lean_"
-    _check_rows(op, grads=grads, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-                model_params=model_params or None)
-    _check_common(op, params, block_size)
-    _check_state(op, "exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, block_size)
-    _check_state(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
-                 block_size)
+    _check_moment_lists("multi_tensor_adam_lean_", grads, params, exp_avgs, exp_avg_scales,
+                        exp_avg_sqs, exp_avg_sq_scales, model_params, block_size)
     keep = _keep(noop)
     b1, b2, c1, c2, _, _, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay, step,
                                                         bias_correction)
@@ -498,16 +504,6 @@ def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params
         _commit(keep, (params[i], stored), *state, *_model_copy(model_params, i, stored))
 
 
-def _check_lamb_lean(op, grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
-                     exp_avg_sq_scales, model_params, block_size) -> None:
-    _check_rows(op, grads=grads, params=params, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-                model_params=model_params or None)
-    _check_common(op, params, block_size)
-    _check_state(op, "exp_avgs", exp_avgs, "exp_avg_scales", exp_avg_scales, block_size)
-    _check_state(op, "exp_avg_sqs", exp_avg_sqs, "exp_avg_sq_scales", exp_avg_sq_scales,
-                 block_size)
-
-
 def _lamb_lean_inputs(i, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales,
                       block_size) -> tuple[Tensor, Tensor, Tensor]:
     """fp32 copies of param ``i`` and of its decoded moments: what LAMB's fp32 stages step.
@@ -526,8 +522,8 @@ def _lamb_lean_stage1_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
                           exp_avg_sq_scales, noop, inv_scale, global_grad_norm, max_grad_norm,
                           beta1, beta2, eps, weight_decay, step, bias_correction, grad_averaging,
                           adam_w_mode, use_nvlamb, block_size) -> tuple[Tensor, Tensor]:
-    _check_lamb_lean("multi_tensor_lamb_lean_stage1_", grads, params, exp_avgs, exp_avg_scales,
-                     exp_avg_sqs, exp_avg_sq_scales, [], block_size)
+    _check_moment_lists("multi_tensor_lamb_lean_stage1_", grads, params, exp_avgs,
+                        exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales, [], block_size)
     rule = (noop, inv_scale, global_grad_norm, max_grad_norm, beta1, beta2, eps, weight_decay,
             step, bias_correction, grad_averaging, adam_w_mode, use_nvlamb)
     if not grads:
@@ -546,8 +542,8 @@ def _lamb_lean_stage2_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
                           weight_decay, step, bias_correction, grad_averaging, adam_w_mode,
                           use_nvlamb, block_size, seed) -> None:
     op = "multi_tensor_lamb_lean_stage2_"
-    _check_lamb_lean(op, grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
-                     exp_avg_sq_scales, model_params, block_size)
+    _check_moment_lists(op, grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
+                        exp_avg_sq_scales, model_params, block_size)
     for name, t in (("param_norms", param_norms), ("update_norms", update_norms)):
         if t.shape != (len(params),):
             raise RuntimeError(f"amp_patch::{op}: {name} must have one element per tensor "

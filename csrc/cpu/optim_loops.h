@@ -699,7 +699,7 @@ AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec&
   }
 }
 
-// Whether the fused loop writes state code C's codes a block late (see adam_lean_loop).
+// Whether the fused loop writes state code C's codes a block late (see lean_moments_loop).
 template <optim::StateCode C>
 constexpr bool kLateCodes =
 #if defined(CPU_CAPABILITY_AVX512)
@@ -780,14 +780,35 @@ struct LambLeanStep {
   }
 };
 
+// Block b's decode factor of state code C: s / code_max (1 for unscaled codes).
+template <optim::StateCode C>
+AMP_CPU_INLINE FVec decode_factor(const float* scales, int64_t b) {
+  return FVec(optim::block_scaled(C) ? scales[b] / optim::code_max(C) : 1.0f);
+}
+
+// Loads `count` (<= kBlock) elements at `at` of a chunk's grads and params
+// (lanes past count 0) and decodes its moments with the block's factors.
+template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
+AMP_CPU_INLINE void load_group(const G* g, const P* p, const void* m_codes, const void* v_codes,
+                               int64_t at, int64_t count, const FVec& fm, const FVec& fv,
+                               FVec (&gv)[2], FVec (&pv)[2], FVec (&mv)[2], FVec (&vv)[2]) {
+  if (count == kBlock) {  // (load_block's partial path keeps it from inlining)
+    Block<G>::load(g + at, gv[0], gv[1]);
+    Block<P>::load(p + at, pv[0], pv[1]);
+  } else {
+    load_block(g + at, count, gv[0], gv[1]);
+    load_block(p + at, count, pv[0], pv[1]);
+  }
+  decode_vectors<MC>(m_codes, at, count, fm, mv[0], mv[1]);
+  decode_vectors<VC>(v_codes, at, count, fv, vv[0], vv[1]);
+}
+
 // A chunk of a lean-state row in one pass per block: grads of type G and
 // params of type P (float or BFloat16) read and written in registers, the
 // moments decoded in registers, updated by `rule`, and the block-scaled ones
 // kept in an fp32 tile until the block's scale is known. The bits are those of
 // the decode / fp32 rule / encode / stochastic_bf16 loops run one after
-// another. Blocks must be whole kBlock groups except the last of a row
-// (block_size a multiple of 32). p_out (may be null) receives the updated fp32
-// params; each tile holds n values.
+// another. Blocks must be whole kBlock groups except the last of a row.
 //
 // The update's square root and division are long-latency operations on one
 // unit; the block-scaled codes (AVX-512) are written a block late, 32 values per
@@ -795,39 +816,27 @@ struct LambLeanStep {
 // waiting on them rather than following it (the int8 step took 1.3x the bf16
 // one when each block was coded after its loop).
 template <typename G, typename P, optim::StateCode MC, optim::StateCode VC, typename Rule>
-AMP_CPU_INLINE void lean_moments_loop(const void* grads, void* params, void* m_codes,
-                                      float* m_scales, void* v_codes, float* v_scales,
-                                      float* p_out, float* tiles, int64_t tile, int64_t n,
-                                      int64_t block_size, uint32_t key, int64_t e0,
-                                      const Rule rule) {
-  // A plain loop over the blocks (for_code_blocks' lambda is not inlined, and
-  // behind its reference every float store could alias the rule's fields, which
-  // were then reloaded and re-tested for each vector).
-  const G* g = static_cast<const G*>(grads);
-  P* p = static_cast<P*>(params);
-  float* mt = tiles;
-  float* vt = tiles + tile;
-  const uint32_t e_first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
+AMP_CPU_INLINE void lean_moments_loop(const LeanChunkArgs& args, const Rule rule) {
+  // Locals, and a plain loop over the blocks (for_code_blocks' lambda is not
+  // inlined, and behind a reference every float store could alias the fields,
+  // which were then reloaded and re-tested for each vector).
+  const LeanChunkArgs a = args;
+  const G* g = static_cast<const G*>(a.g);
+  P* p = static_cast<P*>(a.p);
+  float* mt = a.tiles;
+  float* vt = a.tiles + a.tile;
+  const uint32_t e_first = static_cast<uint32_t>(static_cast<uint64_t>(a.e0));
   LateCodes late_m, late_v;  // the previous block's
   int64_t b = 0;
-  for (int64_t j = 0; j < n; j += block_size, ++b) {
-    const int64_t len = std::min(block_size, n - j);
-    const FVec fm(optim::block_scaled(MC) ? m_scales[b] / optim::code_max(MC) : 1.0f);
-    const FVec fv(optim::block_scaled(VC) ? v_scales[b] / optim::code_max(VC) : 1.0f);
+  for (int64_t j = 0; j < a.n; j += a.block_size, ++b) {
+    const int64_t len = std::min(a.block_size, a.n - j);
+    const FVec fm = decode_factor<MC>(a.m_scales, b), fv = decode_factor<VC>(a.v_scales, b);
     FVec am(0.0f), av(0.0f);
     for (int64_t i = 0; i < len; i += kBlock) {
       const int64_t c = std::min<int64_t>(kBlock, len - i);
       const int64_t at = j + i;
       FVec gv[2], pv[2], mv[2], vv[2];
-      if (c == kBlock) {  // (load_block's partial path keeps it from inlining)
-        Block<G>::load(g + at, gv[0], gv[1]);
-        Block<P>::load(p + at, pv[0], pv[1]);
-      } else {
-        load_block(g + at, c, gv[0], gv[1]);
-        load_block(p + at, c, pv[0], pv[1]);
-      }
-      decode_vectors<MC>(m_codes, at, c, fm, mv[0], mv[1]);
-      decode_vectors<VC>(v_codes, at, c, fv, vv[0], vv[1]);
+      load_group<G, P, MC, VC>(g, p, a.m_codes, a.v_codes, at, c, fm, fv, gv, pv, mv, vv);
       for (int k = 0; k < 2; ++k) {
         constexpr bool kRoot = VC == optim::StateCode::kSqrtU8;
         const FVec r = rule.template step<kRoot>(gv[k], pv[k], mv[k], vv[k]);
@@ -835,12 +844,12 @@ AMP_CPU_INLINE void lean_moments_loop(const void* grads, void* params, void* m_c
           vv[k] = r;  // the square-root code stores sqrt(v)
         }
       }
-      keep_vectors<MC>(m_codes, mt, at, at, c, mv[0], mv[1], am);
-      keep_vectors<VC>(v_codes, vt, at, at, c, vv[0], vv[1], av);
-      if (p_out != nullptr) {
-        store_block(p_out + at, c, pv[0], pv[1]);
+      keep_vectors<MC>(a.m_codes, mt, at, at, c, mv[0], mv[1], am);
+      keep_vectors<VC>(a.v_codes, vt, at, at, c, vv[0], vv[1], av);
+      if (a.p_out != nullptr) {
+        store_block(a.p_out + at, c, pv[0], pv[1]);
       }
-      store_param(p + at, c, pv[0], pv[1], key, e_first + static_cast<uint32_t>(at));
+      store_param(p + at, c, pv[0], pv[1], a.key, e_first + static_cast<uint32_t>(at));
       if (i < late_m.len) {
         write_late_codes<MC>(late_m, i, std::min(i + kBlock, late_m.len));
       }
@@ -854,11 +863,11 @@ AMP_CPU_INLINE void lean_moments_loop(const void* grads, void* params, void* m_c
     late_m = {};
     late_v = {};
     if constexpr (optim::block_scaled(MC)) {
-      finish_block<MC>(mt + j, static_cast<CodeType<MC>*>(m_codes) + j, m_scales + b, len,
+      finish_block<MC>(mt + j, static_cast<CodeType<MC>*>(a.m_codes) + j, a.m_scales + b, len,
                        magnitude_max(am), late_m);
     }
     if constexpr (optim::block_scaled(VC)) {
-      finish_block<VC>(vt + j, static_cast<CodeType<VC>*>(v_codes) + j, v_scales + b, len,
+      finish_block<VC>(vt + j, static_cast<CodeType<VC>*>(a.v_codes) + j, a.v_scales + b, len,
                        magnitude_max(av), late_v);
     }
   }
@@ -867,55 +876,35 @@ AMP_CPU_INLINE void lean_moments_loop(const void* grads, void* params, void* m_c
 }
 
 template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
-void adam_lean_loop(const void* grads, void* params, void* m_codes, float* m_scales,
-                    void* v_codes, float* v_scales, float* p_out, float* tiles, int64_t tile,
-                    int64_t n, int64_t block_size, uint32_t key, int64_t e0,
-                    const optim::AdamHyper& hyper) {
-  lean_moments_loop<G, P, MC, VC>(grads, params, m_codes, m_scales, v_codes, v_scales, p_out,
-                                  tiles, tile, n, block_size, key, e0, AdamLeanStep{hyper});
+void adam_lean_loop(const LeanChunkArgs& a, const optim::AdamHyper& h) {
+  lean_moments_loop<G, P, MC, VC>(a, AdamLeanStep{h});
 }
 
 template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
-void lamb_lean_loop(const void* grads, void* params, void* m_codes, float* m_scales,
-                    void* v_codes, float* v_scales, float* p_out, float* tiles, int64_t tile,
-                    int64_t n, int64_t block_size, uint32_t key, int64_t e0, float ratio,
-                    const optim::LambHyper& hyper) {
-  lean_moments_loop<G, P, MC, VC>(grads, params, m_codes, m_scales, v_codes, v_scales, p_out,
-                                  tiles, tile, n, block_size, key, e0,
-                                  LambLeanStep{hyper, FVec(ratio)});
+void lamb_lean_loop(const LeanChunkArgs& a, float ratio, const optim::LambHyper& h) {
+  lean_moments_loop<G, P, MC, VC>(a, LambLeanStep{h, FVec(ratio)});
 }
 
-// LAMB's stage 1 over a chunk of a lean-state row, writing nothing: the
-// moments decoded in registers, the direction u of lamb_moments_loop's rule,
-// and sums[0] += sum(p^2) (when with_params), sums[1] += sum(u^2), the lanes
-// added in lamb_moments_loop's order, so the sums have its bits.
+// LAMB's stage 1 over a chunk, writing nothing: the moments decoded in
+// registers, the direction u of lamb_moments_loop's rule, and sums[0] +=
+// sum(p^2) (when with_params), sums[1] += sum(u^2), the lanes added in
+// lamb_moments_loop's order, so the sums have its bits.
 template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
-void lamb_lean_norms_loop(const void* grads, const void* params, const void* m_codes,
-                          const float* m_scales, const void* v_codes, const float* v_scales,
-                          int64_t n, int64_t block_size, bool with_params,
+void lamb_lean_norms_loop(const LeanChunkArgs& args, bool with_params,
                           const optim::LambHyper& hyper, double* sums) {
+  const LeanChunkArgs a = args;
   const optim::LambHyper h = hyper;
-  const G* g = static_cast<const G*>(grads);
-  const P* p = static_cast<const P*>(params);
+  const G* g = static_cast<const G*>(a.g);
+  const P* p = static_cast<const P*>(a.p);
   FVec p_acc(0.0f), u_acc(0.0f);
   int64_t b = 0;
-  for (int64_t j = 0; j < n; j += block_size, ++b) {
-    const int64_t len = std::min(block_size, n - j);
-    const FVec fm(optim::block_scaled(MC) ? m_scales[b] / optim::code_max(MC) : 1.0f);
-    const FVec fv(optim::block_scaled(VC) ? v_scales[b] / optim::code_max(VC) : 1.0f);
+  for (int64_t j = 0; j < a.n; j += a.block_size, ++b) {
+    const int64_t len = std::min(a.block_size, a.n - j);
+    const FVec fm = decode_factor<MC>(a.m_scales, b), fv = decode_factor<VC>(a.v_scales, b);
     for (int64_t i = 0; i < len; i += kBlock) {
       const int64_t c = std::min<int64_t>(kBlock, len - i);
-      const int64_t at = j + i;
       FVec gv[2], pv[2], mv[2], vv[2];
-      if (c == kBlock) {
-        Block<G>::load(g + at, gv[0], gv[1]);
-        Block<P>::load(p + at, pv[0], pv[1]);
-      } else {
-        load_block(g + at, c, gv[0], gv[1]);
-        load_block(p + at, c, pv[0], pv[1]);
-      }
-      decode_vectors<MC>(m_codes, at, c, fm, mv[0], mv[1]);
-      decode_vectors<VC>(v_codes, at, c, fv, vv[0], vv[1]);
+      load_group<G, P, MC, VC>(g, p, a.m_codes, a.v_codes, j + i, c, fm, fv, gv, pv, mv, vv);
       for (int k = 0; k < 2; ++k) {
         const int64_t count = std::min<int64_t>(kW, c - k * kW);  // as for_vectors' counts
         if (count <= 0) {

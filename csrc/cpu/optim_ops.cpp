@@ -482,6 +482,14 @@ inline float* chunk_scales(const LeanTensor<S>& t, int s, const LeanChunk& ch) {
   return t.scale[s] != nullptr ? t.scale[s] + ch.block : nullptr;
 }
 
+// A chunk of a tensor over two moments as the fused loops take it.
+inline LeanChunkArgs fused_chunk(const LeanTensor<2>& t, const LeanChunk& ch, float* p_out,
+                                 float* tiles, int64_t tile, int64_t block_size) {
+  return {offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin), chunk_codes(t, 0, ch),
+          chunk_scales(t, 0, ch), chunk_codes(t, 1, ch), chunk_scales(t, 1, ch), p_out, tiles,
+          tile, ch.len, block_size, t.key, ch.begin};
+}
+
 // The fp32 values of state k of a chunk: the codes decoded into `tile`, or
 // the fp32 state where it lies.
 template <size_t S>
@@ -615,6 +623,26 @@ struct CpuBackend {
     plan.finish();
   }
 
+  // The chunks of a lean op over Adam's two moments: each through the fused
+  // loop of `table` where there is one (fused(loop, args, chunk), then the
+  // model copy), else through the fp32 tiles (tiles(tensor, chunk, scratch, tile)).
+  template <typename Loop, typename Fused, typename Tiles>
+  static void run_moment_chunks(const LeanPlan<2>& plan, const Loop (&table)[3][2][3][3],
+                                int64_t bs, const Fused& fused, const Tiles& tiles) {
+    const KernelTable& conv = kernels();
+    plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
+      if (const Loop loop = fused_lean(table, t, bs)) {
+        // The fp32 update, for the model copy of an fp32 param (a half param's copy is
+        // made from the param as stored).
+        float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
+        fused(loop, fused_chunk(t, ch, p_out, scratch, tile, bs), ch);
+        lean_model_copy(conv, t, ch, p_out);
+        return;
+      }
+      tiles(t, ch, scratch, tile);
+    });
+  }
+
   // The lean ops (optim_args.h's adam_lean_op / sgd_lean_op, checked there).
   static void adam_lean(const char* op, const optim::LeanLists<2>& lists,
                         const optim::Flags& flags, const optim::AdamHyper& hyper,
@@ -628,27 +656,20 @@ struct CpuBackend {
     const OptimTable& k = optim_kernels();
     const KernelTable& conv = kernels();
     const int64_t bs = lean.block_size;
-    plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
-      const int64_t n = ch.len;
-      if (const AdamLeanLoop fused = fused_lean(k.adam_lean_fused, t, bs)) {
-        // The fp32 update, for the model copy of an fp32 param (a half param's copy is
-        // made from the param as stored).
-        float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
-        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin),
-              chunk_codes(t, 0, ch), chunk_scales(t, 0, ch), chunk_codes(t, 1, ch),
-              chunk_scales(t, 1, ch), p_out, scratch, tile, n, bs, t.key, ch.begin, h);
-        lean_model_copy(conv, t, ch, p_out);
-        return;
-      }
-      const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
-      float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
-      float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
-      float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
-      k.adam_lean(g, p, m, v, n, h);
-      lean_encode(k, t, 0, ch, m, bs);
-      lean_encode(k, t, 1, ch, v, bs);
-      lean_store_param(k, conv, t, ch, p);
-    });
+    run_moment_chunks(
+        plan, k.adam_lean_fused, bs,
+        [&](AdamLeanLoop loop, const LeanChunkArgs& a, const LeanChunk&) { loop(a, h); },
+        [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
+          const int64_t n = ch.len;
+          const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
+          float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
+          float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
+          float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
+          k.adam_lean(g, p, m, v, n, h);
+          lean_encode(k, t, 0, ch, m, bs);
+          lean_encode(k, t, 1, ch, v, bs);
+          lean_store_param(k, conv, t, ch, p);
+        });
     plan.finish();
   }
 
@@ -709,9 +730,7 @@ struct CpuBackend {
       const int64_t n = ch.len;
       double* sums = partial[plan.index_of(ch)].data();
       if (const LambLeanNormsLoop fused = fused_lean(k.lamb_lean_norms_fused, t, bs)) {
-        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin),
-              chunk_codes(t, 0, ch), chunk_scales(t, 0, ch), chunk_codes(t, 1, ch),
-              chunk_scales(t, 1, ch), n, bs, args.use_ratio, h, sums);
+        fused(fused_chunk(t, ch, nullptr, nullptr, 0, bs), args.use_ratio, h, sums);
         return;
       }
       const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
@@ -741,28 +760,24 @@ struct CpuBackend {
     const OptimTable& k = optim_kernels();
     const KernelTable& conv = kernels();
     const int64_t bs = lean.block_size;
-    plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
-      const int64_t n = ch.len;
-      if (const LambLeanLoop fused = fused_lean(k.lamb_lean_fused, t, bs)) {
-        float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
-        fused(offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin),
-              chunk_codes(t, 0, ch), chunk_scales(t, 0, ch), chunk_codes(t, 1, ch),
-              chunk_scales(t, 1, ch), p_out, scratch, tile, n, bs, t.key, ch.begin,
-              ratio[ch.tensor], h);
-        lean_model_copy(conv, t, ch, p_out);
-        return;
-      }
-      const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
-      float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
-      float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
-      float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
-      std::array<double, 2> unused{0.0, 0.0};
-      k.lamb_moments(g, args.use_ratio ? p : nullptr, m, v, n, h, unused.data());
-      k.lamb_apply(p, m, v, n, ratio[ch.tensor], h);
-      lean_encode(k, t, 0, ch, m, bs);
-      lean_encode(k, t, 1, ch, v, bs);
-      lean_store_param(k, conv, t, ch, p);
-    });
+    run_moment_chunks(
+        plan, k.lamb_lean_fused, bs,
+        [&](LambLeanLoop loop, const LeanChunkArgs& a, const LeanChunk& ch) {
+          loop(a, ratio[ch.tensor], h);
+        },
+        [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
+          const int64_t n = ch.len;
+          const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
+          float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
+          float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
+          float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
+          std::array<double, 2> unused{0.0, 0.0};
+          k.lamb_moments(g, args.use_ratio ? p : nullptr, m, v, n, h, unused.data());
+          k.lamb_apply(p, m, v, n, ratio[ch.tensor], h);
+          lean_encode(k, t, 0, ch, m, bs);
+          lean_encode(k, t, 1, ch, v, bs);
+          lean_store_param(k, conv, t, ch, p);
+        });
     plan.finish();
   }
 

@@ -52,30 +52,41 @@ using LeanEncodeLoop = void (*)(float* x, void* codes, float* scales, int64_t n,
 using StochasticBf16Loop = void (*)(const float* x, void* out, int64_t n, uint32_t key,
                                     int64_t e0);
 
-// Adam over one chunk of a lean-state row in one pass (grads G, params fp32 or
-// bf16, the moments' codes bf16 / int8 / e4m3 and bf16 / uint8 / e4m3),
-// bit-identical to the decode, adam, encode and store loops in turn. tiles
-// holds two fp32 tiles of `tile` >= block elements; p_out (may be null)
-// receives the updated fp32 params (for the model copy). block_size must be
-// a multiple of kLeanFusedAlign.
-using AdamLeanLoop = void (*)(const void* g, void* p, void* m_codes, float* m_scales,
-                              void* v_codes, float* v_scales, float* p_out, float* tiles,
-                              int64_t tile, int64_t n, int64_t block_size, uint32_t key,
-                              int64_t e0, const optim::AdamHyper& h);
+// One chunk of a lean-state row for the fused loops: n elements from a block
+// boundary (element e0 of its tensor) with the grads and params where they lie,
+// the moments' codes and their block scales (null for unscaled codes); for the
+// loops that write, p_out (may be null) receives the updated fp32 params, tiles
+// holds two fp32 tiles of `tile` >= block elements, and key is the tensor's
+// rounding key. block_size must be a multiple of kLeanFusedAlign.
+struct LeanChunkArgs {
+  const void* g;
+  void* p;
+  void* m_codes;
+  float* m_scales;
+  void* v_codes;
+  float* v_scales;
+  float* p_out;
+  float* tiles;
+  int64_t tile;
+  int64_t n;
+  int64_t block_size;
+  uint32_t key;
+  int64_t e0;
+};
 constexpr int64_t kLeanFusedAlign = 32;
-// LAMB's stage 2 as AdamLeanLoop, with the tensor's step size (lr times its
-// trust ratio); bit-identical to the decode, lamb_moments, lamb_apply, encode
-// and store loops in turn.
-using LambLeanLoop = void (*)(const void* g, void* p, void* m_codes, float* m_scales,
-                              void* v_codes, float* v_scales, float* p_out, float* tiles,
-                              int64_t tile, int64_t n, int64_t block_size, uint32_t key,
-                              int64_t e0, float ratio, const optim::LambHyper& h);
-// LAMB's stage 1 over a chunk, writing nothing: the sums of LambMomentsLoop
-// (sums[0] only when with_params), bit for bit.
-using LambLeanNormsLoop = void (*)(const void* g, const void* p, const void* m_codes,
-                                   const float* m_scales, const void* v_codes,
-                                   const float* v_scales, int64_t n, int64_t block_size,
-                                   bool with_params, const optim::LambHyper& h, double* sums);
+
+// The fused loops over a chunk (grads fp32/fp16/bf16, params fp32 or bf16, the
+// moments' codes bf16 / int8 / e4m3 and bf16 / uint8 / e4m3), each
+// bit-identical to the tile loops it stands for, run one after another:
+// Adam's lean op (decode, adam, encode, store);
+using AdamLeanLoop = void (*)(const LeanChunkArgs& a, const optim::AdamHyper& h);
+// LAMB's lean stage 2 with the tensor's step size (lr times its trust ratio)
+// (decode, lamb_moments, lamb_apply, encode, store);
+using LambLeanLoop = void (*)(const LeanChunkArgs& a, float ratio, const optim::LambHyper& h);
+// LAMB's lean stage 1, writing nothing: LambMomentsLoop's sums (sums[0] only
+// when with_params).
+using LambLeanNormsLoop = void (*)(const LeanChunkArgs& a, bool with_params,
+                                   const optim::LambHyper& h, double* sums);
 
 struct OptimTable {
   AdamLoop adam;
