@@ -625,10 +625,13 @@ struct CpuBackend {
 
   // The chunks of a lean op over Adam's two moments: each through the fused
   // loop of `table` where there is one (fused(loop, args, chunk), then the
-  // model copy), else through the fp32 tiles (tiles(tensor, chunk, scratch, tile)).
-  template <typename Loop, typename Fused, typename Tiles>
+  // model copy), else through fp32 tiles: the grads, params and decoded
+  // moments, update(g, p, m, v, n, chunk) on them, then the moments encoded and
+  // the params stored.
+  template <typename Loop, typename Fused, typename Update>
   static void run_moment_chunks(const LeanPlan<2>& plan, const Loop (&table)[3][2][3][3],
-                                int64_t bs, const Fused& fused, const Tiles& tiles) {
+                                int64_t bs, const Fused& fused, const Update& update) {
+    const OptimTable& k = optim_kernels();
     const KernelTable& conv = kernels();
     plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
       if (const Loop loop = fused_lean(table, t, bs)) {
@@ -639,7 +642,15 @@ struct CpuBackend {
         lean_model_copy(conv, t, ch, p_out);
         return;
       }
-      tiles(t, ch, scratch, tile);
+      const int64_t n = ch.len;
+      const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
+      float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
+      float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
+      float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
+      update(g, p, m, v, n, ch);
+      lean_encode(k, t, 0, ch, m, bs);
+      lean_encode(k, t, 1, ch, v, bs);
+      lean_store_param(k, conv, t, ch, p);
     });
   }
 
@@ -654,21 +665,11 @@ struct CpuBackend {
     }
     plan.build(lists, lean);
     const OptimTable& k = optim_kernels();
-    const KernelTable& conv = kernels();
-    const int64_t bs = lean.block_size;
     run_moment_chunks(
-        plan, k.adam_lean_fused, bs,
+        plan, k.adam_lean_fused, lean.block_size,
         [&](AdamLeanLoop loop, const LeanChunkArgs& a, const LeanChunk&) { loop(a, h); },
-        [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
-          const int64_t n = ch.len;
-          const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
-          float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
-          float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
-          float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
+        [&](const float* g, float* p, float* m, float* v, int64_t n, const LeanChunk&) {
           k.adam_lean(g, p, m, v, n, h);
-          lean_encode(k, t, 0, ch, m, bs);
-          lean_encode(k, t, 1, ch, v, bs);
-          lean_store_param(k, conv, t, ch, p);
         });
     plan.finish();
   }
@@ -758,25 +759,15 @@ struct CpuBackend {
     }
     plan.build(lists, lean);
     const OptimTable& k = optim_kernels();
-    const KernelTable& conv = kernels();
-    const int64_t bs = lean.block_size;
     run_moment_chunks(
-        plan, k.lamb_lean_fused, bs,
+        plan, k.lamb_lean_fused, lean.block_size,
         [&](LambLeanLoop loop, const LeanChunkArgs& a, const LeanChunk& ch) {
           loop(a, ratio[ch.tensor], h);
         },
-        [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
-          const int64_t n = ch.len;
-          const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
-          float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);
-          float* m = lean_decode(k, t, 0, ch, scratch + 2 * tile, bs);
-          float* v = lean_decode(k, t, 1, ch, scratch + 3 * tile, bs);
+        [&](const float* g, float* p, float* m, float* v, int64_t n, const LeanChunk& ch) {
           std::array<double, 2> unused{0.0, 0.0};
           k.lamb_moments(g, args.use_ratio ? p : nullptr, m, v, n, h, unused.data());
           k.lamb_apply(p, m, v, n, ratio[ch.tensor], h);
-          lean_encode(k, t, 0, ch, m, bs);
-          lean_encode(k, t, 1, ch, v, bs);
-          lean_store_param(k, conv, t, ch, p);
         });
     plan.finish();
   }
