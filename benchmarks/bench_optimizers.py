@@ -347,6 +347,9 @@ def report(device: str, n: int, bandwidth: float, rows: list[Row], load: LoadMon
         isa = " No compiled kernel for this device: the reference ops were timed."
     if not ops.has_native_kernel(device, "multi_tensor_adam_lean_"):
         isa += " The LEAN rows ran the reference op (no compiled lean-state kernel)."
+    elif not ops.has_native_kernel(device, "multi_tensor_lamb_lean_stage1_"):
+        isa += (" The lean LAMB row ran the reference ops, one tensor at a time (LAMB's lean"
+                " stages have no compiled kernel for this device yet).")
     load_note = f" Machine load: {load.line()}." if device == "cpu" else ""
     header = ["id", "step", "anchor", "ms", "anchor ms", "speed-up", "target", "bytes/elem", "GB/s",
               "time / floor"]
