@@ -77,8 +77,6 @@ from amp_patch.ops.optimizer_ops import (
     _grad32,
     _keep,
     _lamb_stage1_fake,
-    _lamb_stage1_ref,
-    _lamb_stage2_ref,
     _one_minus,
     _sgd_update,
     _sqrt_rn,
@@ -527,12 +525,12 @@ def _lamb_lean_stage1_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
     rule = (noop, inv_scale, global_grad_norm, max_grad_norm, beta1, beta2, eps, weight_decay,
             step, bias_correction, grad_averaging, adam_w_mode, use_nvlamb)
     if not grads:
-        return _lamb_stage1_ref([], [], [], [], *rule)
+        return _ops.multi_tensor_lamb_stage1_([], [], [], [], *rule)
     norms = []
     for i, grad in enumerate(grads):
         p, m, v = _lamb_lean_inputs(i, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
                                     exp_avg_sq_scales, block_size)
-        norms.append(_lamb_stage1_ref([grad], [p], [m], [v], *rule))
+        norms.append(_ops.multi_tensor_lamb_stage1_([grad], [p], [m], [v], *rule))
     return torch.cat([n[0] for n in norms]), torch.cat([n[1] for n in norms])
 
 
@@ -555,12 +553,13 @@ def _lamb_lean_stage2_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
         p, m, v = _lamb_lean_inputs(i, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
                                     exp_avg_sq_scales, block_size)
         # Stage 1's moments again (the same bits), then stage 2's step along them.
-        _lamb_stage1_ref([grad], [p], [m], [v], None, inv_scale, global_grad_norm, max_grad_norm,
-                         beta1, beta2, eps, weight_decay, step, bias_correction, grad_averaging,
-                         adam_w_mode, use_nvlamb)
-        _lamb_stage2_ref([p], [m], [v], param_norms[i:i + 1], update_norms[i:i + 1], [], None,
-                         lr, beta1, beta2, eps, weight_decay, step, bias_correction, adam_w_mode,
-                         use_nvlamb)
+        _ops.multi_tensor_lamb_stage1_([grad], [p], [m], [v], None, inv_scale, global_grad_norm,
+                                       max_grad_norm, beta1, beta2, eps, weight_decay, step,
+                                       bias_correction, grad_averaging, adam_w_mode, use_nvlamb)
+        _ops.multi_tensor_lamb_stage2_([p], [m], [v], param_norms[i:i + 1],
+                                       update_norms[i:i + 1], [], None, lr, beta1, beta2, eps,
+                                       weight_decay, step, bias_correction, adam_w_mode,
+                                       use_nvlamb)
         m_codes, m_scale = encode(m, exp_avgs[i].dtype, block_size)
         v_codes, v_scale = encode(v, exp_avg_sqs[i].dtype, block_size)
         stored = _store_param(params[i], p, seed, step, i)

@@ -35,6 +35,7 @@ from test_ops import assert_bitwise, clone_args
 
 from amp_patch import ops
 from amp_patch.ops import lean_state_ops as lean
+from amp_patch.ops import optimizer_ops
 
 STAGE1, STAGE2 = "multi_tensor_lamb_lean_stage1_", "multi_tensor_lamb_lean_stage2_"
 LAMB_KW = dict(max_grad_norm=1.0, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, step=3,
@@ -226,3 +227,19 @@ def test_half_params_read_as_their_fp32_values(param_dtype):
     pn, _ = torch.ops.amp_patch.multi_tensor_lamb_lean_stage1_(*_stage1_args(lists))
     want = torch.stack([p.double().norm() for p in lists[1]]).float()
     torch.testing.assert_close(pn, want, rtol=1e-6, atol=0)
+
+
+class _PureFp32Stages:
+    """torch.ops.amp_patch with LAMB's fp32 stages swapped for their pure-PyTorch references."""
+
+    multi_tensor_lamb_stage1_ = staticmethod(optimizer_ops._lamb_stage1_ref)
+    multi_tensor_lamb_stage2_ = staticmethod(optimizer_ops._lamb_stage2_ref)
+
+
+@pytest.mark.parametrize("codes,param_dtype", [((I8, U8), BF16), ((E4M3, BF16), F32),
+                                               ((BF16, BF16), F16)], ids=str)
+def test_stages_match_a_pure_pytorch_reference(monkeypatch, codes, param_dtype):
+    """The reference bodies call LAMB's fp32 stage ops (compiled where built); with those swapped
+    for their pure-PyTorch references the kernels still agree to the bit."""
+    monkeypatch.setattr(lean, "_ops", _PureFp32Stages)
+    _step_both(_lists(*codes, param_dtype))
