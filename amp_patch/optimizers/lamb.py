@@ -78,6 +78,12 @@ class _LambBase(FusedOptimizer):
                     params, m, v, param_norms, update_norms, local_tensors(b.model_params),
                     b.noop, lr=lr, **hyper)
 
+    @staticmethod
+    def _trust_ratio(hyper: dict[str, Any]) -> bool:
+        """Whether a group's steps scale by the trust ratio (and so need stage 1's norms): with
+        weight decay, or for every tensor with NVLAMB."""
+        return bool(hyper["use_nvlamb"]) or hyper["weight_decay"] != 0.0
+
     def _lean_batch(self, b: _Batch, norm: Tensor, lr: float, stage1: dict[str, Any]) -> None:
         """LAMB over low-precision state (or bf16 params): the two lean stages. Stage 1 reads
         the moments' codes for the norms and writes nothing; stage 2 computes the same new
@@ -90,9 +96,15 @@ class _LambBase(FusedOptimizer):
         lists = (local_tensors(b.grads), local_tensors(b.params),
                  local_tensors([c for c, _ in m]), local_tensors(lean_scales(m)),
                  local_tensors([c for c, _ in v]), local_tensors(lean_scales(v)))
-        local_norms = ops.multi_tensor_lamb_lean_stage1_(
-            *lists, b.noop, b.inv_scale, norm, **stage1, block_size=fmt.block_size)
-        param_norms, update_norms = whole_tensor_norms(b.params, *local_norms)
+        if self._trust_ratio(stage1):
+            local_norms = ops.multi_tensor_lamb_lean_stage1_(
+                *lists, b.noop, b.inv_scale, norm, **stage1, block_size=fmt.block_size)
+            param_norms, update_norms = whole_tensor_norms(b.params, *local_norms)
+        else:
+            # No trust ratio (no weight decay, no NVLAMB): stage 2 steps by lr alone and stage 1,
+            # which writes nothing, would only compute norms that go unused. The same on every
+            # rank, since it follows from the group's settings.
+            param_norms = update_norms = torch.zeros(len(b.params), device=b.device)
         ops.multi_tensor_lamb_lean_stage2_(
             *lists, param_norms, update_norms, local_tensors(b.model_params), b.noop,
             b.inv_scale, norm, **stage1, lr=lr, block_size=fmt.block_size,

@@ -79,3 +79,32 @@ def test_switching_back_to_fp32_converts_the_state():
     _train(model, opt, 1, start=2)
     state = opt.state[model[0].weight]
     assert state["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in state
+
+
+def test_groups_without_trust_ratio_skip_stage_one(monkeypatch):
+    """Without weight decay or NVLAMB stage 2 steps by lr alone: stage 1 is not run for such a
+    group, and the step is bit for bit the one that runs it."""
+    from amp_patch import ops
+    from amp_patch.optimizers.lamb import _LambBase
+
+    calls = []
+    stage1 = ops.multi_tensor_lamb_lean_stage1_
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return stage1(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "multi_tensor_lamb_lean_stage1_", counted)
+    models = [_model(), _model()]
+    skipped, run = (FusedLAMB(m.parameters(), lr=1e-2, weight_decay=0.0, state_format="int8")
+                    for m in models)
+    _train(models[0], skipped, 3)
+    assert not calls
+    monkeypatch.setattr(_LambBase, "_trust_ratio", staticmethod(lambda hyper: True))
+    _train(models[1], run, 3)
+    assert calls
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        for key, value in skipped.state[p].items():
+            assert torch.equal(value, run.state[q][key]), key
