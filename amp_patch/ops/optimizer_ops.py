@@ -273,6 +273,12 @@ def _novograd_ref(grads, params, exp_avgs, grad_norms, model_params, noop, inv_s
         _commit(keep, (params[i], p), (exp_avgs[i], m), *_out(model_params, i, p))
 
 
+def _lamb_uses_ratio(weight_decay: float, use_nvlamb: bool) -> bool:
+    """Whether LAMB scales a step by the trust ratio (and so needs stage 1's norms): with weight
+    decay, or for every tensor with NVLAMB. The kernels decide it alike (lamb_needs_norms)."""
+    return bool(use_nvlamb) or weight_decay != 0.0
+
+
 def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, global_grad_norm,
                      max_grad_norm, beta1, beta2, eps, weight_decay, step, bias_correction,
                      grad_averaging, adam_w_mode, use_nvlamb) -> tuple[Tensor, Tensor]:
@@ -283,7 +289,7 @@ def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, glob
     b3 = _one_minus(b1) if grad_averaging else 1.0
     c2 = _one_minus(b2)
     bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
-    norms_wanted = use_nvlamb or wd != 0.0
+    norms_wanted = _lamb_uses_ratio(weight_decay, use_nvlamb)
     device = grads[0].device if grads else torch.device("cpu")
     norm = _grad32(global_grad_norm.reshape(()), inv_scale)
     max_norm = _f32(max_grad_norm)
@@ -324,7 +330,7 @@ def _lamb_stage2_ref(params, exp_avgs, exp_avg_sqs, param_norms, update_norms, m
         if param.numel() == 0:
             continue
         ratio = torch.full((), lr, dtype=torch.float32, device=param.device)
-        if use_nvlamb or wd != 0.0:
+        if _lamb_uses_ratio(weight_decay, use_nvlamb):
             pn, un = param_norms[i], update_norms[i]
             ratio = torch.where((pn != 0) & (un != 0), lr * (pn / un), ratio)
         p = param.float()

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
+from amp_patch.ops.optimizer_ops import _lamb_uses_ratio
 from amp_patch.optimizers._base import FusedOptimizer, _Batch, lean_scales, whole_tensor_norms
 from amp_patch.tensors import local_tensors
 
@@ -80,9 +81,8 @@ class _LambBase(FusedOptimizer):
 
     @staticmethod
     def _trust_ratio(hyper: dict[str, Any]) -> bool:
-        """Whether a group's steps scale by the trust ratio (and so need stage 1's norms): with
-        weight decay, or for every tensor with NVLAMB."""
-        return bool(hyper["use_nvlamb"]) or hyper["weight_decay"] != 0.0
+        """Whether a group's steps scale by the trust ratio, and so need stage 1's norms."""
+        return _lamb_uses_ratio(hyper["weight_decay"], hyper["use_nvlamb"])
 
     def _lean_batch(self, b: _Batch, norm: Tensor, lr: float, stage1: dict[str, Any]) -> None:
         """LAMB over low-precision state (or bf16 params): the two lean stages. Stage 1 reads
