@@ -310,15 +310,14 @@ AMP_CPU_INLINE __m512 code_values(const __m128i bytes) {
 // integer codes, converting with round-to-nearest-even, then clamping the
 // integers, is rne and clamp in fp32; |x| <= s, so |x * f| rounds to at most
 // the largest code, and only the uint8 code's floor of 1 needs a clamp (the
-// int8 code is -127 at its lowest).
+// int8 code is -127 at its lowest), which the callers apply.
 template <optim::StateCode C>
 AMP_CPU_INLINE __m512i lane_codes(const __m512 x, const __m512 f) {
   const __m512 y = _mm512_mul_ps(x, f);
   if constexpr (C == optim::StateCode::kE4M3) {
     return e4m3_codes(y);
   } else {
-    const __m512i q = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return C == optim::StateCode::kInt8 ? q : _mm512_max_epi32(q, _mm512_set1_epi32(1));
+    return _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
 }
 
@@ -339,19 +338,38 @@ AMP_CPU_INLINE __m512i pack_order() {
   return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 
+// Packed codes in order, the uint8 code's floor of 1 applied to the bytes.
+template <optim::StateCode C>
+AMP_CPU_INLINE __m512i ordered_codes(const __m512i packed) {
+  const __m512i bytes = _mm512_permutexvar_epi32(pack_order(), packed);
+  return C == optim::StateCode::kSqrtU8 ? _mm512_max_epu8(bytes, _mm512_set1_epi8(1)) : bytes;
+}
+
+// Stores the codes of the 64 values x of such a block.
+template <optim::StateCode C>
+AMP_CPU_INLINE void store_codes64(const float* x, CodeType<C>* out, const __m512 f) {
+  const __m512i packed = pack_codes<C>(
+      lane_codes<C>(_mm512_loadu_ps(x), f), lane_codes<C>(_mm512_loadu_ps(x + 16), f),
+      lane_codes<C>(_mm512_loadu_ps(x + 32), f), lane_codes<C>(_mm512_loadu_ps(x + 48), f));
+  _mm512_storeu_si512(out, ordered_codes<C>(packed));
+}
+
 // Stores the codes of `count` (<= kBlock) values x of such a block.
 template <optim::StateCode C>
 AMP_CPU_INLINE void store_codes(const float* x, CodeType<C>* out, int64_t count, const __m512 f) {
   if (count == kBlock) {
     const __m512i q0 = lane_codes<C>(_mm512_loadu_ps(x), f);
     const __m512i q1 = lane_codes<C>(_mm512_loadu_ps(x + 16), f);
-    const __m512i bytes = _mm512_permutexvar_epi32(pack_order(), pack_codes<C>(q0, q1, q0, q1));
+    const __m512i bytes = ordered_codes<C>(pack_codes<C>(q0, q1, q0, q1));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_castsi512_si256(bytes));
     return;
   }
   for (int64_t i = 0; i < count; i += 16) {
     const __mmask16 m = lane_mask(count - i);
-    const __m512i q = lane_codes<C>(_mm512_maskz_loadu_ps(m, x + i), f);
+    __m512i q = lane_codes<C>(_mm512_maskz_loadu_ps(m, x + i), f);
+    if constexpr (C == optim::StateCode::kSqrtU8) {
+      q = _mm512_max_epi32(q, _mm512_set1_epi32(1));
+    }
     _mm_mask_storeu_epi8(out + i, m, C == optim::StateCode::kInt8 ? _mm512_cvtsepi32_epi8(q)
                                                                  : _mm512_cvtusepi32_epi8(q));
   }
@@ -430,11 +448,8 @@ inline void quantise_block(float* x, CodeType<C>* out, int64_t len, float s) {
   if (factor != 0.0f) {
     const __m512 f = _mm512_set1_ps(factor);
     int64_t i = 0;
-    for (; i + 64 <= len; i += 64) {  // 64 codes per round
-      const __m512i packed = pack_codes<C>(
-          lane_codes<C>(_mm512_loadu_ps(x + i), f), lane_codes<C>(_mm512_loadu_ps(x + i + 16), f),
-          lane_codes<C>(_mm512_loadu_ps(x + i + 32), f), lane_codes<C>(_mm512_loadu_ps(x + i + 48), f));
-      _mm512_storeu_si512(out + i, _mm512_permutexvar_epi32(pack_order(), packed));
+    for (; i + 64 <= len; i += 64) {
+      store_codes64<C>(x + i, out + i, f);
     }
     for (; i < len; i += kBlock) {
       store_codes<C>(x + i, out + i, std::min<int64_t>(kBlock, len - i), f);
@@ -654,9 +669,9 @@ AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec&
     };
     const __m512i u0 = _mm512_castps_si512(__m512(lo)), u1 = _mm512_castps_si512(__m512(hi));
     const __m512i sum0 = _mm512_add_epi32(u0, bits(e)), sum1 = _mm512_add_epi32(u1, bits(e + 16u));
-    const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
-    const __mmask16 finite0 = _mm512_cmpneq_epi32_mask(_mm512_and_si512(u0, exp_mask), exp_mask);
-    const __mmask16 finite1 = _mm512_cmpneq_epi32_mask(_mm512_and_si512(u1, exp_mask), exp_mask);
+    // fpclass 0x99: NaN (quiet 0x01, signalling 0x80) or infinite (0x08, 0x10).
+    const __mmask16 finite0 = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(__m512(lo), 0x99));
+    const __mmask16 finite1 = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(__m512(hi), 0x99));
     __m512i out;
     if ((finite0 & finite1) == 0xFFFF) {
       // The high halves of the 32 sums, in order, in one permutation.
@@ -725,6 +740,28 @@ AMP_CPU_INLINE void write_late_codes(const LateCodes& late, int64_t from, int64_
     for (int64_t i = from; i < to; i += kBlock) {
       store_codes<C>(late.x + i, static_cast<CodeType<C>*>(late.out) + i,
                              std::min<int64_t>(kBlock, to - i), f);
+    }
+  }
+#endif
+}
+
+// Writes the codes of the late block due at group i (< late.len). kWhole:
+// late.len is a whole number of groups, written 64 codes at each odd group
+// (and the last group alone when their number is odd); else group i's.
+template <bool kWhole, optim::StateCode C>
+AMP_CPU_INLINE void write_late_group(const LateCodes& late, int64_t i) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (kLateCodes<C>) {
+    const __m512 f = _mm512_set1_ps(late.factor);
+    CodeType<C>* out = static_cast<CodeType<C>*>(late.out);
+    if constexpr (kWhole) {
+      if (i % (2 * kBlock) == kBlock) {
+        store_codes64<C>(late.x + i - kBlock, out + i - kBlock, f);
+      } else if (i + kBlock == late.len) {
+        store_codes<C>(late.x + i, out + i, kBlock, f);
+      }
+    } else {
+      store_codes<C>(late.x + i, out + i, std::min<int64_t>(kBlock, late.len - i), f);
     }
   }
 #endif
@@ -803,6 +840,49 @@ AMP_CPU_INLINE void load_group(const G* g, const P* p, const void* m_codes, cons
   decode_vectors<VC>(v_codes, at, count, fv, vv[0], vv[1]);
 }
 
+// One block's vectors of lean_moments_loop: [j, j + len) of the chunk, the
+// previous block's codes written alongside. kWhole: len is a whole number of
+// kBlock groups and each late block is empty or len long, so that no group is
+// partial and no length is tested per group; the compiled loop then holds no
+// partial-group path, which kept values on the stack across the whole loop.
+template <bool kWhole, typename G, typename P, optim::StateCode MC, optim::StateCode VC,
+          typename Rule>
+AMP_CPU_INLINE void lean_block_vectors(const LeanChunkArgs& a, const Rule& rule, int64_t j,
+                                       int64_t len, const FVec& fm, const FVec& fv, FVec& am,
+                                       FVec& av, const LateCodes& late_m,
+                                       const LateCodes& late_v) {
+  const G* g = static_cast<const G*>(a.g);
+  P* p = static_cast<P*>(a.p);
+  float* mt = a.tiles;
+  float* vt = a.tiles + a.tile;
+  const uint32_t e_first = static_cast<uint32_t>(static_cast<uint64_t>(a.e0));
+  for (int64_t i = 0; i < len; i += kBlock) {
+    const int64_t c = kWhole ? kBlock : std::min<int64_t>(kBlock, len - i);
+    const int64_t at = j + i;
+    FVec gv[2], pv[2], mv[2], vv[2];
+    load_group<G, P, MC, VC>(g, p, a.m_codes, a.v_codes, at, c, fm, fv, gv, pv, mv, vv);
+    for (int k = 0; k < 2; ++k) {
+      constexpr bool kRoot = VC == optim::StateCode::kSqrtU8;
+      const FVec r = rule.template step<kRoot>(gv[k], pv[k], mv[k], vv[k]);
+      if constexpr (kRoot) {
+        vv[k] = r;  // the square-root code stores sqrt(v)
+      }
+    }
+    keep_vectors<MC>(a.m_codes, mt, at, at, c, mv[0], mv[1], am);
+    keep_vectors<VC>(a.v_codes, vt, at, at, c, vv[0], vv[1], av);
+    if (a.p_out != nullptr) {
+      store_block(a.p_out + at, c, pv[0], pv[1]);
+    }
+    store_param(p + at, c, pv[0], pv[1], a.key, e_first + static_cast<uint32_t>(at));
+    if (i < late_m.len) {
+      write_late_group<kWhole, MC>(late_m, i);
+    }
+    if (i < late_v.len) {
+      write_late_group<kWhole, VC>(late_v, i);
+    }
+  }
+}
+
 // A chunk of a lean-state row in one pass per block: grads of type G and
 // params of type P (float or BFloat16) read and written in registers, the
 // moments decoded in registers, updated by `rule`, and the block-scaled ones
@@ -821,41 +901,20 @@ AMP_CPU_INLINE void lean_moments_loop(const LeanChunkArgs& args, const Rule rule
   // inlined, and behind a reference every float store could alias the fields,
   // which were then reloaded and re-tested for each vector).
   const LeanChunkArgs a = args;
-  const G* g = static_cast<const G*>(a.g);
-  P* p = static_cast<P*>(a.p);
   float* mt = a.tiles;
   float* vt = a.tiles + a.tile;
-  const uint32_t e_first = static_cast<uint32_t>(static_cast<uint64_t>(a.e0));
   LateCodes late_m, late_v;  // the previous block's
   int64_t b = 0;
   for (int64_t j = 0; j < a.n; j += a.block_size, ++b) {
     const int64_t len = std::min(a.block_size, a.n - j);
     const FVec fm = decode_factor<MC>(a.m_scales, b), fv = decode_factor<VC>(a.v_scales, b);
     FVec am(0.0f), av(0.0f);
-    for (int64_t i = 0; i < len; i += kBlock) {
-      const int64_t c = std::min<int64_t>(kBlock, len - i);
-      const int64_t at = j + i;
-      FVec gv[2], pv[2], mv[2], vv[2];
-      load_group<G, P, MC, VC>(g, p, a.m_codes, a.v_codes, at, c, fm, fv, gv, pv, mv, vv);
-      for (int k = 0; k < 2; ++k) {
-        constexpr bool kRoot = VC == optim::StateCode::kSqrtU8;
-        const FVec r = rule.template step<kRoot>(gv[k], pv[k], mv[k], vv[k]);
-        if constexpr (kRoot) {
-          vv[k] = r;  // the square-root code stores sqrt(v)
-        }
-      }
-      keep_vectors<MC>(a.m_codes, mt, at, at, c, mv[0], mv[1], am);
-      keep_vectors<VC>(a.v_codes, vt, at, at, c, vv[0], vv[1], av);
-      if (a.p_out != nullptr) {
-        store_block(a.p_out + at, c, pv[0], pv[1]);
-      }
-      store_param(p + at, c, pv[0], pv[1], a.key, e_first + static_cast<uint32_t>(at));
-      if (i < late_m.len) {
-        write_late_codes<MC>(late_m, i, std::min(i + kBlock, late_m.len));
-      }
-      if (i < late_v.len) {
-        write_late_codes<VC>(late_v, i, std::min(i + kBlock, late_v.len));
-      }
+    const bool whole = len % kBlock == 0 && (late_m.len == 0 || late_m.len == len) &&
+                       (late_v.len == 0 || late_v.len == len);
+    if (whole) {
+      lean_block_vectors<true, G, P, MC, VC>(a, rule, j, len, fm, fv, am, av, late_m, late_v);
+    } else {
+      lean_block_vectors<false, G, P, MC, VC>(a, rule, j, len, fm, fv, am, av, late_m, late_v);
     }
     // What of the previous block this (shorter, a row's last) block did not cover.
     write_late_codes<MC>(late_m, std::min(len, late_m.len), late_m.len);
