@@ -147,6 +147,7 @@ _CUDA_KERNELS = ("multi_tensor_adam_lean_", "multi_tensor_sgd_lean_")
 _MASK32 = 0xFFFFFFFF
 # Odd 32-bit constants of the hash (golden ratio, and murmur3's finaliser).
 _K0, _K1, _K2 = 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35
+_PAIR_BIT = 16  # elements e and e ^ 16 share one hash (random_bits)
 
 
 # --------------------------------------------------------------------------- rows, blocks
@@ -298,9 +299,13 @@ def random_bits(seed: int, step: int, index: int, numel: int,
                 device: torch.device | str = "cpu") -> Tensor:
     """The 16 random bits that stochastic rounding adds to each element of tensor ``index``.
 
-    ``fmix32(key ^ (e * 0x9E3779B9 mod 2**32)) >> 16`` for element ``e``, with
-    ``key = (seed*0x9E3779B9 + step*0x85EBCA6B + index*0xC2B2AE35) mod 2**32``
-    and murmur3's 32-bit finaliser ``fmix32``: the kernels compute the same.
+    Elements ``e`` and ``e ^ 16`` share one hash
+    ``h = fmix32(key ^ ((e & ~16) * 0x9E3779B9 mod 2**32))``: the one with bit 4
+    clear takes ``h >> 16``, the other ``h & 0xFFFF``, so that a vectorised
+    kernel hashes once for 32 aligned elements. ``key = (seed*0x9E3779B9 +
+    step*0x85EBCA6B + index*0xC2B2AE35) mod 2**32``, ``e`` is taken mod
+    ``2**32``, and ``fmix32`` is murmur3's 32-bit finaliser: the kernels compute
+    the same.
 
     Args:
         seed (int): the optimizer's rounding seed.
@@ -318,8 +323,9 @@ def random_bits(seed: int, step: int, index: int, numel: int,
         True
     """
     e = torch.arange(numel, dtype=torch.int64, device=device) & _MASK32
-    x = _tensor_key(seed, step, index) ^ ((e * _K0) & _MASK32)
-    return _fmix32(x) >> 16
+    x = _tensor_key(seed, step, index) ^ (((e & ~_PAIR_BIT) * _K0) & _MASK32)
+    h = _fmix32(x)
+    return torch.where((e & _PAIR_BIT) != 0, h & 0xFFFF, h >> 16)
 
 
 def stochastic_round_bf16(x: Tensor, bits: Tensor) -> Tensor:

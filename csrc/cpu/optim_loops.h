@@ -649,26 +649,56 @@ AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec&
     store_block(p, count, lo, hi);
   } else {
 #if defined(CPU_CAPABILITY_AVX512)
-    // fmix32(key ^ (e * K0)) >> 16 per lane: e * K0 is the scalar (e0 * K0) plus
-    // lane * K0 (mod 2^32), and fmix32's last step (x ^= x >> 16) leaves the
-    // top 16 bits alone, so it is left out.
+    // optim::rounding_bits per lane. The element index times K0 is the scalar
+    // (e * K0) plus lane * K0 (mod 2^32). Lanes of one hash are 16 apart, so when
+    // e is a multiple of 32 the two vectors share one: its high halves for the
+    // first, its low halves for the second.
     const __m512i lane_k0 = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(static_cast<int>(optim::kHashK0)));
     const __m512i k1 = _mm512_set1_epi32(static_cast<int>(optim::kHashK1));
     const __m512i k2 = _mm512_set1_epi32(static_cast<int>(optim::kHashK2));
-    auto bits = [&](uint32_t first) {
-      __m512i x = _mm512_xor_si512(
-          _mm512_set1_epi32(static_cast<int>(key)),
-          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first * optim::kHashK0)), lane_k0));
+    const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+    auto fmix = [&](__m512i x) {
       x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
       x = _mm512_mullo_epi32(x, k1);
       x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 13));
       x = _mm512_mullo_epi32(x, k2);
-      return _mm512_srli_epi32(x, 16);
+      return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     };
+    // The hash inputs key ^ (e * K0) of the 16 elements from `first`, lane by lane.
+    auto hashed = [&](uint32_t first) {
+      return _mm512_xor_si512(
+          _mm512_set1_epi32(static_cast<int>(key)),
+          _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first * optim::kHashK0)), lane_k0));
+    };
+    __m512i bits0, bits1;
+    if (e % (2 * optim::kPairBit) == 0) {
+      const __m512i h = fmix(hashed(e));
+      bits0 = _mm512_srli_epi32(h, 16);
+      bits1 = _mm512_and_si512(h, low_half);
+    } else {
+      // Any alignment: each lane hashes its index with the pair bit cleared
+      // (e * K0 less 16 * K0 where the bit is set) and takes its half.
+      auto bits = [&](uint32_t first) {
+        const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
+                                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                 10, 11, 12, 13, 14, 15));
+        const __mmask16 second =
+            _mm512_test_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(optim::kPairBit)));
+        const __m512i base = _mm512_add_epi32(
+            _mm512_set1_epi32(static_cast<int>(first * optim::kHashK0)), lane_k0);
+        const __m512i paired = _mm512_mask_sub_epi32(
+            base, second, base,
+            _mm512_set1_epi32(static_cast<int>(optim::kPairBit * optim::kHashK0)));
+        const __m512i h = fmix(_mm512_xor_si512(_mm512_set1_epi32(static_cast<int>(key)), paired));
+        return _mm512_mask_and_epi32(_mm512_srli_epi32(h, 16), second, h, low_half);
+      };
+      bits0 = bits(e);
+      bits1 = bits(e + 16u);
+    }
     const __m512i u0 = _mm512_castps_si512(__m512(lo)), u1 = _mm512_castps_si512(__m512(hi));
-    const __m512i sum0 = _mm512_add_epi32(u0, bits(e)), sum1 = _mm512_add_epi32(u1, bits(e + 16u));
+    const __m512i sum0 = _mm512_add_epi32(u0, bits0), sum1 = _mm512_add_epi32(u1, bits1);
     // fpclass 0x99: NaN (quiet 0x01, signalling 0x80) or infinite (0x08, 0x10).
     const __mmask16 finite0 = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(__m512(lo), 0x99));
     const __mmask16 finite1 = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(__m512(hi), 0x99));
