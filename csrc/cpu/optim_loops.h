@@ -517,14 +517,26 @@ void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, in
 // AVX-512: an integer maximum of the fp32 bit patterns with the sign cleared,
 // which orders magnitudes as floats do and puts NaN above inf, in two
 // instructions per vector (at::vec::maximum's NaN-propagating float maximum
-// takes three, after the abs).
+// takes three, after the abs). The square-root code's values are never
+// negative (sqrt of a sum of a square and a decoded square: +0 at the least)
+// unless NaN, so an unsigned maximum of the patterns themselves serves there,
+// one instruction per vector: it orders them as floats and puts a NaN of
+// either sign above inf; magnitude_max<C> reads it unsigned.
+template <optim::StateCode C = optim::StateCode::kInt8>
 AMP_CPU_INLINE void fold_magnitudes(FVec& amax, const FVec& lo, const FVec& hi, int64_t count) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   const __m512i a = _mm512_castps_si512(__m512(amax));
   const __m512i l = _mm512_castps_si512(__m512(lo)), h = _mm512_castps_si512(__m512(hi));
   __m512i m;
-  if (count == kBlock) {
+  if constexpr (C == optim::StateCode::kSqrtU8) {
+    if (count == kBlock) {
+      m = _mm512_max_epu32(a, _mm512_max_epu32(l, h));
+    } else {  // lanes past count: 0, the least pattern
+      m = _mm512_max_epu32(a, _mm512_maskz_mov_epi32(lane_mask(count), l));
+      m = _mm512_max_epu32(m, _mm512_maskz_mov_epi32(lane_mask(count - kW), h));
+    }
+  } else if (count == kBlock) {
     m = _mm512_max_epi32(a, _mm512_max_epi32(_mm512_and_si512(l, magnitude),
                                              _mm512_and_si512(h, magnitude)));
   } else {
@@ -554,10 +566,14 @@ inline float lanes_max(const FVec& acc) {
   return m;
 }
 
-// The largest magnitude folded into amax by fold_magnitudes, NaN when any was NaN.
+// The largest magnitude folded into amax by fold_magnitudes<C>, NaN when any was NaN.
+template <optim::StateCode C = optim::StateCode::kInt8>
 inline float magnitude_max(const FVec& amax) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const int32_t bits = _mm512_reduce_max_epi32(_mm512_castps_si512(__m512(amax)));
+  const __m512i patterns = _mm512_castps_si512(__m512(amax));
+  const uint32_t bits = C == optim::StateCode::kSqrtU8 ? _mm512_reduce_max_epu32(patterns)
+                                                       : static_cast<uint32_t>(
+                                                             _mm512_reduce_max_epi32(patterns));
   float m;
   std::memcpy(&m, &bits, sizeof(m));
   return m;
@@ -636,7 +652,7 @@ AMP_CPU_INLINE void keep_vectors(void* codes, float* tile, int64_t at, int64_t t
     store_block(static_cast<float*>(codes) + at, count, lo, hi);
   } else {
     store_block(tile + tile_at, count, lo, hi);
-    fold_magnitudes(amax, lo, hi, count);
+    fold_magnitudes<C>(amax, lo, hi, count);
   }
 }
 
@@ -953,11 +969,11 @@ AMP_CPU_INLINE void lean_moments_loop(const LeanChunkArgs& args, const Rule rule
     late_v = {};
     if constexpr (optim::block_scaled(MC)) {
       finish_block<MC>(mt + j, static_cast<CodeType<MC>*>(a.m_codes) + j, a.m_scales + b, len,
-                       magnitude_max(am), late_m);
+                       magnitude_max<MC>(am), late_m);
     }
     if constexpr (optim::block_scaled(VC)) {
       finish_block<VC>(vt + j, static_cast<CodeType<VC>*>(a.v_codes) + j, a.v_scales + b, len,
-                       magnitude_max(av), late_v);
+                       magnitude_max<VC>(av), late_v);
     }
   }
   write_late_codes<MC>(late_m, 0, late_m.len);
