@@ -7,13 +7,17 @@ bf16 tensor stepped directly. One pass per element reads the grad, decodes the
 state, updates, encodes the state again and writes the param (and the half
 model copy).
 
-**Adam.** The moments are Apex's. The direction is the same Adam written for
-one division and one square root per element:
-``m * (1 / bc1) / (sqrt(v) * (1 / sqrt(bc2)) + eps)``, with the two reciprocals
-of the bias corrections computed in float64 and rounded to fp32 once, where
-Apex's ``(m / bc1) / (sqrt(v / bc2) + eps)`` takes three divisions. The two
-differ by rounding only (a few ulps of the update), and ``sqrt(v)`` is also the
-value the second moment's square-root code stores. SGD is Apex's rule as is.
+**Adam.** The moments are Apex's. The step is the same Adam written for one
+division and one square root per element:
+``p = p - (m * (lr / bc1)) / (sqrt(v) * (1 / sqrt(bc2)) + eps)``, where AdamW
+first multiplies the param by ``1 - lr * weight_decay`` (as torch's AdamW
+does). ``lr / bc1`` is the fp32 product of ``lr`` and ``1 / bc1``; ``1 / bc1``,
+``1 / sqrt(bc2)`` and ``1 - lr * weight_decay`` are computed in float64 and
+rounded to fp32 once. Apex's ``p - lr * ((m / bc1) / (sqrt(v / bc2) + eps) +
+weight_decay * p)`` takes three divisions and more multiplications; the two
+differ by rounding only (a few ulps of the update), and ``sqrt(v)`` is also
+the value the second moment's square-root code stores. SGD is Apex's rule as
+is.
 
 **State codes**, chosen by the dtype of each state tensor:
 
@@ -435,21 +439,25 @@ def _check_moment_lists(op, grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs
                  block_size)
 
 
-def _lean_corrections(b1: float, b2: float, step: int, enabled: bool) -> tuple[float, float]:
-    """``1 / bc1`` and ``1 / sqrt(bc2)``, each computed in float64 and rounded to fp32 once."""
-    if not enabled:
-        return 1.0, 1.0
-    return _f32(1.0 / (1.0 - b1 ** step)), _f32(1.0 / math.sqrt(1.0 - b2 ** step))
+def _lean_constants(b1: float, b2: float, step: int, enabled: bool, lr: float,
+                    wd: float) -> tuple[float, float, float]:
+    """The lean Adam's ``lr / bc1``, ``1 / sqrt(bc2)`` and ``1 - lr * wd`` as the kernels round
+    them (see the module's "Adam"); ``lr`` and ``wd`` are fp32 values already."""
+    inv_bc1, inv_sqrt_bc2 = 1.0, 1.0
+    if enabled:
+        inv_bc1 = _f32(1.0 / (1.0 - b1 ** step))
+        inv_sqrt_bc2 = _f32(1.0 / math.sqrt(1.0 - b2 ** step))
+    return _f32(lr * inv_bc1), inv_sqrt_bc2, _f32(1.0 - lr * wd)
 
 
-def _adam_lean_direction(m: Tensor, v: Tensor, p: Tensor, inv_bc1: float, inv_sqrt_bc2: float,
-                         eps: float, wd: float, adam_w_mode: bool) -> Tensor:
-    """The lean Adam direction ``m * (1/bc1) / (sqrt(v) * (1/sqrt(bc2)) + eps)``, AdamW's decay
-    added: one division and one square root per element (see the module's "Adam")."""
-    u = (m * inv_bc1) / (_sqrt_rn(v) * inv_sqrt_bc2 + eps)
-    if adam_w_mode and wd != 0.0:
-        u = u + wd * p
-    return u
+def _adam_lean_param(p: Tensor, m: Tensor, v: Tensor, step_size: float, inv_sqrt_bc2: float,
+                     eps: float, decay: float | None) -> Tensor:
+    """The lean Adam's param ``p * decay - (m * step_size) / (sqrt(v) * inv_sqrt_bc2 + eps)``
+    (no ``decay`` factor when None): one division and one square root per element."""
+    step = (m * step_size) / (_sqrt_rn(v) * inv_sqrt_bc2 + eps)
+    if decay is not None:
+        p = p * decay
+    return p - step
 
 
 def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales,
@@ -460,7 +468,8 @@ def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg
     keep = _keep(noop)
     b1, b2, c1, c2, _, _, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay, step,
                                                         bias_correction)
-    inv_bc1, inv_sqrt_bc2 = _lean_corrections(b1, b2, step, bias_correction)
+    step_size, inv_sqrt_bc2, decay = _lean_constants(b1, b2, step, bias_correction, lr, wd)
+    decoupled = decay if adam_w_mode and wd != 0.0 else None
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
@@ -469,7 +478,7 @@ def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg
         v = decode(exp_avg_sqs[i], _scale_of(exp_avg_sqs, exp_avg_sq_scales, i), block_size)
         m, v = _adam_new_moments(_grad32(grad, inv_scale), p, m, v, b1, b2, c1, c2, wd,
                                  adam_w_mode)
-        p = p - lr * _adam_lean_direction(m, v, p, inv_bc1, inv_sqrt_bc2, eps, wd, adam_w_mode)
+        p = _adam_lean_param(p, m, v, step_size, inv_sqrt_bc2, eps, decoupled)
         m_codes, m_scale = encode(m, exp_avgs[i].dtype, block_size)
         v_codes, v_scale = encode(v, exp_avg_sqs[i].dtype, block_size)
         stored = _store_param(params[i], p, seed, step, i)

@@ -52,6 +52,12 @@ inline float inv_bias_correction(float beta, int64_t step, bool enabled) {
   return enabled ? static_cast<float>(1.0 / one_minus_power(beta, step)) : 1.0f;
 }
 
+// lr * (1 / (1 - beta^step)): the fp32 product of lr and inv_bias_correction.
+inline float lean_step_size(float lr, float beta, int64_t step, bool enabled) {
+  return static_cast<float>(static_cast<double>(lr) *
+                            static_cast<double>(inv_bias_correction(beta, step, enabled)));
+}
+
 inline float inv_sqrt_bias_correction(float beta, int64_t step, bool enabled) {
   return enabled ? static_cast<float>(1.0 / std::sqrt(one_minus_power(beta, step))) : 1.0f;
 }
@@ -72,10 +78,13 @@ struct AdamHyper {
   float weight_decay;
   float bias_correction1;
   float bias_correction2;
-  // The lean ops' form of the corrections (adam_lean_update): 1 / bc1 and
-  // 1 / sqrt(bc2), each computed in float64 and rounded to fp32 once.
-  float inv_bias_correction1;
+  // The lean ops' constants (adam_lean_param), each rounded to fp32 once:
+  // lr * (1 / bc1) (the product of the two fp32 values; 1 / bc1 computed in
+  // float64 and rounded), 1 / sqrt(bc2) (float64), and AdamW's decay factor
+  // 1 - lr * weight_decay (float64, of the fp32 lr and weight decay).
+  float lean_step_size;
   float inv_sqrt_bias_correction2;
+  float lean_decay;
   bool adam_w_mode;
 };
 
@@ -128,8 +137,10 @@ inline AdamHyper adam_hyper(double lr, double beta1, double beta2, double eps, d
   return {1.0f, f32(lr), b1, b2, 1.0f - b1, 1.0f - b2, f32(eps), f32(weight_decay),
           bias_correction(b1, step, bias_correction_on),
           bias_correction(b2, step, bias_correction_on),
-          inv_bias_correction(b1, step, bias_correction_on),
-          inv_sqrt_bias_correction(b2, step, bias_correction_on), adam_w_mode};
+          lean_step_size(f32(lr), b1, step, bias_correction_on),
+          inv_sqrt_bias_correction(b2, step, bias_correction_on),
+          f32(1.0 - static_cast<double>(f32(lr)) * static_cast<double>(f32(weight_decay))),
+          adam_w_mode};
 }
 
 inline SgdHyper sgd_hyper(double lr, double weight_decay, double momentum, double dampening,
@@ -293,21 +304,23 @@ AMP_OPTIM_FN void adam_update(T g, T& p, T& m, T& v, const AdamHyper& h) {
   adam_update_param(p, m, v, h);
 }
 
-// The lean ops' Adam (multi_tensor_adam_lean_): Apex's moments, then the
-// direction m * (1 / bc1) / (sqrt(v) * (1 / sqrt(bc2)) + eps) with the two
-// reciprocals rounded on the host. The same Adam as adam_update's
-// (m / bc1) / (sqrt(v / bc2) + eps) up to rounding, in one division and one
-// square root per element instead of three and one; the root is also the value
-// the square-root code stores. adam_lean_param takes the new moments and
-// returns sqrt(v).
+// The lean ops' Adam (multi_tensor_adam_lean_): Apex's moments, then the step
+// (m * (lr / bc1)) / (sqrt(v) * (1 / sqrt(bc2)) + eps), subtracted from the
+// param, which AdamW first multiplies by 1 - lr * weight_decay (as torch's
+// AdamW does), with the constants rounded on the host. The same AdamW as
+// adam_update's p - lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd * p) up to
+// rounding, in one division, one square root and five or six other operations
+// per element instead of three, one and eight; the root is also the value the
+// square-root code stores. adam_lean_param takes the new moments and returns
+// sqrt(v).
 template <typename T>
 AMP_OPTIM_FN T adam_lean_param(T& p, const T& m, const T& v, const AdamHyper& h) {
   const T r = sqrt_rn(v);
-  T u = (m * T(h.inv_bias_correction1)) / (r * T(h.inv_sqrt_bias_correction2) + T(h.eps));
+  const T step = (m * T(h.lean_step_size)) / (r * T(h.inv_sqrt_bias_correction2) + T(h.eps));
   if (h.adam_w_mode && h.weight_decay != 0.0f) {
-    u = u + T(h.weight_decay) * p;
+    p = p * T(h.lean_decay);
   }
-  p = p - T(h.lr) * u;
+  p = p - step;
   return r;
 }
 
