@@ -504,14 +504,6 @@ inline uint16_t stochastic_bf16_value(float x, uint32_t key, uint32_t e) {
   return optim::stochastic_bf16_bits(u, optim::rounding_bits(key, e));
 }
 
-void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, int64_t e0) {
-  uint16_t* o = static_cast<uint16_t*>(out);
-  const uint32_t first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
-  for (int64_t k = 0; k < n; ++k) {
-    o[k] = stochastic_bf16_value(x[k], key, first + static_cast<uint32_t>(k));
-  }
-}
-
 // Folds the magnitudes of the first `count` (<= kBlock) lanes of lo, hi into
 // amax, a running largest magnitude that magnitude_max() reads; a NaN sticks.
 // AVX-512: an integer maximum of the fp32 bit patterns with the sign cleared,
@@ -758,6 +750,26 @@ AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec&
       std::memcpy(static_cast<void*>(p), o, count * sizeof(uint16_t));
     }
   }
+}
+
+// x[0, n) stochastically rounded to bf16 with the bits of elements e0 .. e0 + n
+// (the tile path's params; the fused loops call store_param themselves).
+void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, int64_t e0) {
+  const uint32_t first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
+#if defined(CPU_CAPABILITY_AVX512)
+  c10::BFloat16* o = static_cast<c10::BFloat16*>(out);
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t c = std::min<int64_t>(kBlock, n - i);
+    FVec lo, hi;
+    load_block(x + i, c, lo, hi);
+    store_param(o + i, c, lo, hi, key, first + static_cast<uint32_t>(i));
+  }
+#else
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (int64_t k = 0; k < n; ++k) {
+    o[k] = stochastic_bf16_value(x[k], key, first + static_cast<uint32_t>(k));
+  }
+#endif
 }
 
 // Whether the fused loop writes state code C's codes a block late (see lean_moments_loop).
