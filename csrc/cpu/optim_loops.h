@@ -514,7 +514,7 @@ inline uint16_t stochastic_bf16_value(float x, uint32_t key, uint32_t e) {
 // unless NaN, so an unsigned maximum of the patterns themselves serves there,
 // one instruction per vector: it orders them as floats and puts a NaN of
 // either sign above inf; magnitude_max<C> reads it unsigned.
-template <optim::StateCode C = optim::StateCode::kInt8>
+template <optim::StateCode C>
 AMP_CPU_INLINE void fold_magnitudes(FVec& amax, const FVec& lo, const FVec& hi, int64_t count) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
@@ -559,7 +559,7 @@ inline float lanes_max(const FVec& acc) {
 }
 
 // The largest magnitude folded into amax by fold_magnitudes<C>, NaN when any was NaN.
-template <optim::StateCode C = optim::StateCode::kInt8>
+template <optim::StateCode C>
 inline float magnitude_max(const FVec& amax) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512i patterns = _mm512_castps_si512(__m512(amax));
@@ -756,7 +756,6 @@ AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec&
 // (the tile path's params; the fused loops call store_param themselves).
 void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, int64_t e0) {
   const uint32_t first = static_cast<uint32_t>(static_cast<uint64_t>(e0));
-#if defined(CPU_CAPABILITY_AVX512)
   c10::BFloat16* o = static_cast<c10::BFloat16*>(out);
   for (int64_t i = 0; i < n; i += kBlock) {
     const int64_t c = std::min<int64_t>(kBlock, n - i);
@@ -764,12 +763,6 @@ void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, in
     load_block(x + i, c, lo, hi);
     store_param(o + i, c, lo, hi, key, first + static_cast<uint32_t>(i));
   }
-#else
-  uint16_t* o = static_cast<uint16_t*>(out);
-  for (int64_t k = 0; k < n; ++k) {
-    o[k] = stochastic_bf16_value(x[k], key, first + static_cast<uint32_t>(k));
-  }
-#endif
 }
 
 // Whether the fused loop writes state code C's codes a block late (see lean_moments_loop).
@@ -810,16 +803,16 @@ template <bool kWhole, optim::StateCode C>
 AMP_CPU_INLINE void write_late_group(const LateCodes& late, int64_t i) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (kLateCodes<C>) {
-    const __m512 f = _mm512_set1_ps(late.factor);
-    CodeType<C>* out = static_cast<CodeType<C>*>(late.out);
     if constexpr (kWhole) {
+      const __m512 f = _mm512_set1_ps(late.factor);
+      CodeType<C>* out = static_cast<CodeType<C>*>(late.out);
       if (i % (2 * kBlock) == kBlock) {
         store_codes64<C>(late.x + i - kBlock, out + i - kBlock, f);
       } else if (i + kBlock == late.len) {
         store_codes<C>(late.x + i, out + i, kBlock, f);
       }
     } else {
-      store_codes<C>(late.x + i, out + i, std::min<int64_t>(kBlock, late.len - i), f);
+      write_late_codes<C>(late, i, std::min<int64_t>(i + kBlock, late.len));
     }
   }
 #endif
