@@ -244,6 +244,11 @@ void bf16_encode(float* x, void* codes, float*, int64_t n, int64_t) {
 template <optim::StateCode C>
 using CodeType = std::conditional_t<C == optim::StateCode::kInt8, int8_t, uint8_t>;
 
+// The state a fused loop does not have: SGD's second, or its only one when
+// momentum is 0. Nothing is read or written for it (decode_vectors and
+// keep_vectors), and it is not block-scaled.
+constexpr optim::StateCode kNoState = static_cast<optim::StateCode>(optim::kNumStateCodes);
+
 #if defined(CPU_CAPABILITY_AVX512)
 // float8_e4m3fn codes <-> fp32 for 16 lanes, bit for bit c10's scalar
 // conversions (fp8e4m3fn_to_fp32_value / fp8e4m3fn_from_fp32_value, whose
@@ -576,12 +581,16 @@ inline float magnitude_max(const FVec& amax) {
 
 // Reads `count` (<= kBlock) values of state code C at element `at` as two fp32
 // vectors: the codes times the block's decode factor f (squared for the
-// square-root code), or the bf16 / fp32 state itself. Lanes past count are 0.
+// square-root code), or the bf16 / fp32 state itself (kNoState: zeros). Lanes
+// past count are 0.
 template <optim::StateCode C>
 AMP_CPU_INLINE void decode_vectors(const void* codes, int64_t at, int64_t count, const FVec& f, FVec& lo,
                            FVec& hi) {
   using optim::StateCode;
-  if constexpr (C == StateCode::kBF16) {
+  if constexpr (C == kNoState) {
+    lo = FVec(0.0f);
+    hi = FVec(0.0f);
+  } else if constexpr (C == StateCode::kBF16) {
     load_block(static_cast<const c10::BFloat16*>(codes) + at, count, lo, hi);
   } else if constexpr (C == StateCode::kF32) {
     load_block(static_cast<const float*>(codes) + at, count, lo, hi);
@@ -633,12 +642,14 @@ AMP_CPU_INLINE void decode_vectors(const void* codes, int64_t at, int64_t count,
 // Writes `count` values of the new state (sqrt already taken for the
 // square-root code): bf16 / fp32 state where it lies, block-scaled codes into
 // the block's fp32 tile (quantised once the block is done), tracking the
-// largest magnitude of the lanes written.
+// largest magnitude of the lanes written; kNoState writes nothing.
 template <optim::StateCode C>
 AMP_CPU_INLINE void keep_vectors(void* codes, float* tile, int64_t at, int64_t tile_at, int64_t count,
                          const FVec& lo, const FVec& hi, FVec& amax) {
   using optim::StateCode;
-  if constexpr (C == StateCode::kBF16) {
+  if constexpr (C == kNoState) {
+    return;
+  } else if constexpr (C == StateCode::kBF16) {
     store_block(static_cast<c10::BFloat16*>(codes) + at, count, lo, hi);
   } else if constexpr (C == StateCode::kF32) {
     store_block(static_cast<float*>(codes) + at, count, lo, hi);
@@ -868,6 +879,19 @@ struct LambLeanStep {
   }
 };
 
+// SGD (Apex's rule, optim_math.h's sgd_update) with its momentum as the first
+// state, and no second one (kNoState). With momentum 0 the first is kNoState
+// too, and sgd_update does not touch it. A first step's old momentum is
+// decoded but unused: sgd_update sets the buffer to the grad.
+struct SgdLeanStep {
+  optim::SgdHyper h;
+  template <bool kRoot>
+  AMP_CPU_INLINE FVec step(const FVec& g, FVec& p, FVec& m, FVec& v) const {
+    optim::sgd_update(g, p, &m, h);
+    return v;
+  }
+};
+
 // Block b's decode factor of state code C: s / code_max (1 for unscaled codes).
 template <optim::StateCode C>
 AMP_CPU_INLINE FVec decode_factor(const float* scales, int64_t b) {
@@ -990,6 +1014,11 @@ void adam_lean_loop(const LeanChunkArgs& a, const optim::AdamHyper& h) {
   lean_moments_loop<G, P, MC, VC>(a, AdamLeanStep{h});
 }
 
+template <typename G, typename P, optim::StateCode C>
+void sgd_lean_loop(const LeanChunkArgs& a, const optim::SgdHyper& h) {
+  lean_moments_loop<G, P, C, kNoState>(a, SgdLeanStep{h});
+}
+
 template <typename G, typename P, optim::StateCode MC, optim::StateCode VC>
 void lamb_lean_loop(const LeanChunkArgs& a, float ratio, const optim::LambHyper& h) {
   lean_moments_loop<G, P, MC, VC>(a, LambLeanStep{h, FVec(ratio)});
@@ -1032,21 +1061,32 @@ void lamb_lean_norms_loop(const LeanChunkArgs& args, bool with_params,
   sums[1] += lane_sum(u_acc);
 }
 
+// The fused tables' indices of a grad type and a param type.
+template <typename G>
+constexpr int kGradIndex =
+    std::is_same_v<G, float> ? kF32 : (std::is_same_v<G, c10::Half> ? kF16 : kBF16);
+template <typename P>
+constexpr int kParamIndex = std::is_same_v<P, float> ? 0 : 1;
+
 template <typename G, typename P, int MI, int VI>
 void fill_adam_lean(OptimTable& t) {
   constexpr optim::StateCode kM[] = {optim::StateCode::kBF16, optim::StateCode::kInt8,
                                      optim::StateCode::kE4M3};
   constexpr optim::StateCode kV[] = {optim::StateCode::kBF16, optim::StateCode::kSqrtU8,
                                      optim::StateCode::kE4M3};
-  constexpr int gi = std::is_same_v<G, float> ? kF32 : (std::is_same_v<G, c10::Half> ? kF16 : kBF16);
-  constexpr int pi = std::is_same_v<P, float> ? 0 : 1;
+  constexpr int gi = kGradIndex<G>, pi = kParamIndex<P>;
   t.adam_lean_fused[gi][pi][MI][VI] = &adam_lean_loop<G, P, kM[MI], kV[VI]>;
   t.lamb_lean_fused[gi][pi][MI][VI] = &lamb_lean_loop<G, P, kM[MI], kV[VI]>;
   t.lamb_lean_norms_fused[gi][pi][MI][VI] = &lamb_lean_norms_loop<G, P, kM[MI], kV[VI]>;
 }
 
 template <typename G, typename P>
-void fill_adam_lean_codes(OptimTable& t) {
+void fill_lean_codes(OptimTable& t) {
+  constexpr int gi = kGradIndex<G>, pi = kParamIndex<P>;
+  t.sgd_lean_fused[gi][pi][0] = &sgd_lean_loop<G, P, kNoState>;
+  t.sgd_lean_fused[gi][pi][1] = &sgd_lean_loop<G, P, optim::StateCode::kBF16>;
+  t.sgd_lean_fused[gi][pi][2] = &sgd_lean_loop<G, P, optim::StateCode::kInt8>;
+  t.sgd_lean_fused[gi][pi][3] = &sgd_lean_loop<G, P, optim::StateCode::kE4M3>;
   fill_adam_lean<G, P, 0, 0>(t);
   fill_adam_lean<G, P, 0, 1>(t);
   fill_adam_lean<G, P, 0, 2>(t);
@@ -1076,6 +1116,7 @@ OptimTable optim_table() {
                {},
                {},
                {},
+               {},
                {}};
   using c10::BFloat16;
   using c10::Half;
@@ -1089,12 +1130,12 @@ OptimTable optim_table() {
   t.adam_mixed[kBF16][kBF16] = &adam_mixed_loop<BFloat16, BFloat16>;
   t.adam_mixed[kF16][kBF16] = &adam_mixed_loop<Half, BFloat16>;
   t.adam_mixed[kBF16][kF16] = &adam_mixed_loop<BFloat16, Half>;
-  fill_adam_lean_codes<float, float>(t);
-  fill_adam_lean_codes<Half, float>(t);
-  fill_adam_lean_codes<BFloat16, float>(t);
-  fill_adam_lean_codes<float, BFloat16>(t);
-  fill_adam_lean_codes<Half, BFloat16>(t);
-  fill_adam_lean_codes<BFloat16, BFloat16>(t);
+  fill_lean_codes<float, float>(t);
+  fill_lean_codes<Half, float>(t);
+  fill_lean_codes<BFloat16, float>(t);
+  fill_lean_codes<float, BFloat16>(t);
+  fill_lean_codes<Half, BFloat16>(t);
+  fill_lean_codes<BFloat16, BFloat16>(t);
   return t;
 }
 

@@ -269,8 +269,10 @@ const float* per_tensor(const at::Tensor& t, size_t n, const char* op, const cha
 // are whole blocks is one long row). Per chunk, the grad, param and decoded state are widened into
 // fp32 tiles, the ordinary fp32 loop of the op updates them, and the state is
 // encoded again, the param stored (bf16: stochastically rounded) and the model
-// copy written. The chunks are grouped into tasks of about kTaskElems
-// elements, split over the threads.
+// copy written. The common rows take the ISA's fused loop instead
+// (OptimTable's *_lean_fused: the same steps in registers, bit for bit). The
+// chunks are grouped into tasks of about kTaskElems elements, split over the
+// threads.
 
 // Elements per chunk when blocks are small: four fp32 tiles stay in L1.
 constexpr int64_t kLeanTile = 1024;
@@ -474,7 +476,8 @@ inline int64_t code_bytes(optim::StateCode c) {
 // A state list's codes of a chunk, and its scales (null for unscaled codes).
 template <size_t S>
 inline void* chunk_codes(const LeanTensor<S>& t, int s, const LeanChunk& ch) {
-  return static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s]);
+  return t.code[s] != nullptr ? static_cast<char*>(t.code[s]) + ch.begin * code_bytes(t.sc[s])
+                              : nullptr;  // an unused state (SGD without momentum)
 }
 
 template <size_t S>
@@ -482,12 +485,19 @@ inline float* chunk_scales(const LeanTensor<S>& t, int s, const LeanChunk& ch) {
   return t.scale[s] != nullptr ? t.scale[s] + ch.block : nullptr;
 }
 
-// A chunk of a tensor over two moments as the fused loops take it.
-inline LeanChunkArgs fused_chunk(const LeanTensor<2>& t, const LeanChunk& ch, float* p_out,
+// A chunk of a tensor as the fused loops take it (a one-state tensor's second state null).
+template <size_t S>
+inline LeanChunkArgs fused_chunk(const LeanTensor<S>& t, const LeanChunk& ch, float* p_out,
                                  float* tiles, int64_t tile, int64_t block_size) {
+  void* v_codes = nullptr;
+  float* v_scales = nullptr;
+  if constexpr (S > 1) {
+    v_codes = chunk_codes(t, 1, ch);
+    v_scales = chunk_scales(t, 1, ch);
+  }
   return {offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin), chunk_codes(t, 0, ch),
-          chunk_scales(t, 0, ch), chunk_codes(t, 1, ch), chunk_scales(t, 1, ch), p_out, tiles,
-          tile, ch.len, block_size, t.key, ch.begin};
+          chunk_scales(t, 0, ch), v_codes, v_scales, p_out, tiles, tile, ch.len, block_size,
+          t.key, ch.begin};
 }
 
 // The fp32 values of state k of a chunk: the codes decoded into `tile`, or
@@ -526,21 +536,45 @@ inline void lean_encode(const OptimTable& k, const LeanTensor<S>& t, size_t s,
                                            block_size);
 }
 
+// The fused tables' index of a state's code: bf16, the state's block-scaled
+// code `scaled`, e4m3; -1 for fp32 state (the tiles serve).
+inline int fused_code_index(optim::StateCode c, optim::StateCode scaled) {
+  return c == optim::StateCode::kBF16 ? 0 : c == scaled ? 1 : c == optim::StateCode::kE4M3 ? 2 : -1;
+}
+
+// The fused tables' param index of a tensor, or -1 where the tiles serve it:
+// fp16 or fp64 params, fp64 grads, blocks not whole kLeanFusedAlign groups.
+template <size_t S>
+inline int fused_param_index(const LeanTensor<S>& t, int64_t block_size) {
+  if (block_size % kLeanFusedAlign != 0 || t.g_dt > kBF16) {
+    return -1;
+  }
+  return t.p_dt == kF32 ? 0 : (t.p_dt == kBF16 ? 1 : -1);
+}
+
 // The fused loop of `table` (OptimTable's adam_lean_fused, lamb_lean_fused,
 // ...) for a tensor's dtypes and codes, or null (the tiles serve).
-template <typename Loop, size_t S>
-inline Loop fused_lean(const Loop (&table)[3][2][3][3], const LeanTensor<S>& t,
+template <typename Loop>
+inline Loop fused_lean(const Loop (&table)[3][2][3][3], const LeanTensor<2>& t,
                        int64_t block_size) {
-  auto index = [](optim::StateCode c, optim::StateCode scaled) {
-    return c == optim::StateCode::kBF16 ? 0 : c == scaled ? 1 : c == optim::StateCode::kE4M3 ? 2 : -1;
-  };
-  const int mi = index(t.sc[0], optim::StateCode::kInt8);
-  const int vi = index(t.sc[1], optim::StateCode::kSqrtU8);
-  const int pi = t.p_dt == kF32 ? 0 : (t.p_dt == kBF16 ? 1 : -1);
-  if (block_size % kLeanFusedAlign != 0 || mi < 0 || vi < 0 || pi < 0 || t.g_dt > kBF16) {
+  const int mi = fused_code_index(t.sc[0], optim::StateCode::kInt8);
+  const int vi = fused_code_index(t.sc[1], optim::StateCode::kSqrtU8);
+  const int pi = fused_param_index(t, block_size);
+  return mi < 0 || vi < 0 || pi < 0 ? nullptr : table[t.g_dt][pi][mi][vi];
+}
+
+// OptimTable's sgd_lean_fused loop for a tensor, or null (the tiles serve).
+inline SgdLeanLoop fused_lean(const SgdLeanLoop (&table)[3][2][4], const LeanTensor<1>& t,
+                              int64_t block_size) {
+  const int pi = fused_param_index(t, block_size);
+  if (pi < 0) {
     return nullptr;
   }
-  return table[t.g_dt][pi][mi][vi];
+  if (t.code[0] == nullptr) {  // momentum 0
+    return table[t.g_dt][pi][0];
+  }
+  const int ci = fused_code_index(t.sc[0], optim::StateCode::kInt8);
+  return ci < 0 ? nullptr : table[t.g_dt][pi][ci + 1];
 }
 
 
@@ -559,6 +593,18 @@ inline void lean_model_copy(const KernelTable& conv, const LeanTensor<S>& t, con
   } else {
     conv.copy[t.p_dt][t.model_dt](offset(t.p, t.p_dt, ch.begin), model, ch.len);
   }
+}
+
+// Runs a fused loop over a chunk, call(args), then makes the model copy. The
+// loop keeps its block-scaled states' values in the first two scratch tiles,
+// and the fp32 update in the third when an fp32 param has a model copy (a
+// half param's copy is made from the param as stored).
+template <size_t S, typename Call>
+inline void run_fused(const KernelTable& conv, const LeanTensor<S>& t, const LeanChunk& ch,
+                      float* scratch, int64_t tile, int64_t block_size, const Call& call) {
+  float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
+  call(fused_chunk(t, ch, p_out, scratch, tile, block_size));
+  lean_model_copy(conv, t, ch, p_out);
 }
 
 // Stores the updated fp32 param (bf16: stochastically rounded) and the model copy.
@@ -635,11 +681,8 @@ struct CpuBackend {
     const KernelTable& conv = kernels();
     plan.run(4, [&](const LeanTensor<2>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
       if (const Loop loop = fused_lean(table, t, bs)) {
-        // The fp32 update, for the model copy of an fp32 param (a half param's copy is
-        // made from the param as stored).
-        float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
-        fused(loop, fused_chunk(t, ch, p_out, scratch, tile, bs), ch);
-        lean_model_copy(conv, t, ch, p_out);
+        run_fused(conv, t, ch, scratch, tile, bs,
+                  [&](const LeanChunkArgs& a) { fused(loop, a, ch); });
         return;
       }
       const int64_t n = ch.len;
@@ -688,6 +731,10 @@ struct CpuBackend {
     const int64_t bs = lean.block_size;
     const bool with_momentum = lists.states[0].used;
     plan.run(3, [&](const LeanTensor<1>& t, const LeanChunk& ch, float* scratch, int64_t tile) {
+      if (const SgdLeanLoop loop = fused_lean(k.sgd_lean_fused, t, bs)) {
+        run_fused(conv, t, ch, scratch, tile, bs, [&](const LeanChunkArgs& a) { loop(a, h); });
+        return;
+      }
       const int64_t n = ch.len;
       const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);
       float* p = lean_in(conv, t.p, t.p_dt, ch.begin, n, scratch + tile);

@@ -54,7 +54,8 @@ using StochasticBf16Loop = void (*)(const float* x, void* out, int64_t n, uint32
 
 // One chunk of a lean-state row for the fused loops: n elements from a block
 // boundary (element e0 of its tensor) with the grads and params where they lie,
-// the moments' codes and their block scales (null for unscaled codes); for the
+// the moments' codes and their block scales (null for unscaled codes; SGD's
+// momentum is m, and v is null); for the
 // loops that write, p_out (may be null) receives the updated fp32 params, tiles
 // holds two fp32 tiles of `tile` >= block elements, and key is the tensor's
 // rounding key. block_size must be a multiple of kLeanFusedAlign.
@@ -83,6 +84,9 @@ using AdamLeanLoop = void (*)(const LeanChunkArgs& a, const optim::AdamHyper& h)
 // LAMB's lean stage 2 with the tensor's step size (lr times its trust ratio)
 // (decode, lamb_moments, lamb_apply, encode, store);
 using LambLeanLoop = void (*)(const LeanChunkArgs& a, float ratio, const optim::LambHyper& h);
+// SGD's lean op, the momentum (if any) as the first state (decode, sgd,
+// encode, store);
+using SgdLeanLoop = void (*)(const LeanChunkArgs& a, const optim::SgdHyper& h);
 // LAMB's lean stage 1, writing nothing: LambMomentsLoop's sums (sums[0] only
 // when with_params).
 using LambLeanNormsLoop = void (*)(const LeanChunkArgs& a, bool with_params,
@@ -107,6 +111,8 @@ struct OptimTable {
   AdamLeanLoop adam_lean_fused[3][2][3][3];
   LambLeanLoop lamb_lean_fused[3][2][3][3];  // indexed as adam_lean_fused
   LambLeanNormsLoop lamb_lean_norms_fused[3][2][3][3];
+  // [grad dtype][param][momentum: none (momentum 0), bf16, int8, e4m3]
+  SgdLeanLoop sgd_lean_fused[3][2][4];
 };
 
 // One table per instruction set; the AVX ones exist on x86 only.

@@ -415,9 +415,35 @@ def test_fused_adam_blocks_match_reference(rows, cols, block_size, codes, param_
     with a short last one, and non-finite values in any block, still match the reference."""
     shapes = [((rows, cols), "contiguous")]
     name, args = _adam_args(codes[0], codes[1], param_dtype, [BF16], block_size, shapes, seed=seed)
-    grad = args[0][0].view(-1)
+    _spoil(args[0][0], bad)
+    _check(name, args)
+
+
+def _spoil(grad, bad):
+    flat = grad.view(-1)
     for where, value in bad:
-        grad[int(where * grad.numel())] = value
+        flat[int(where * flat.numel())] = value
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(1, 4), cols=st.integers(1, 2100),
+    block_size=st.sampled_from([32, 64, 96, 256, 512]),
+    code=st.sampled_from([I8, BF16, E4M3]), param_dtype=st.sampled_from([F32, BF16]),
+    grad_dtype=st.sampled_from(GRAD_DTYPES),
+    variant=st.sampled_from(SGD_VARIANTS[:6]),
+    bad=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(NONFINITE)),
+                 max_size=2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fused_sgd_blocks_match_reference(rows, cols, block_size, code, param_dtype, grad_dtype,
+                                          variant, bad, seed):
+    """FusedSGD's fused CPU loop (the momentum as its one state, or none at momentum 0): every
+    code, Nesterov, a first step, decay after the momentum, with blocks coded late as in Adam's."""
+    shapes = [((rows, cols), "contiguous")]
+    name, args = _sgd_args(code, param_dtype, [grad_dtype], block_size, shapes, seed=seed,
+                           **variant)
+    _spoil(args[0][0], bad)
     _check(name, args)
 
 
@@ -509,8 +535,10 @@ def test_every_cpu_isa_matches_reference(capability):
             for param_dtype in t.PARAM_DTYPES:
                 t._check(*t._adam_args(m_code, v_code, param_dtype))
             t._check(*t._sgd_args(m_code))
+            t._check(*t._sgd_args(m_code, first_run=True, nesterov=True))
             t._check(*t._adam_args(m_code, v_code, block_size=7))
         t._check(*t._adam_args(block_size=1))
+        t._check(*t._sgd_args(momentum=0.0))
         print("ok")
         """
     )
