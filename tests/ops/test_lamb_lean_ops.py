@@ -6,15 +6,17 @@ tensor's ``||p||`` and ``||u||`` (compared with the reference's float64 sums to
 same new moments again, steps along them and writes params, codes, scales and
 model copies, which must match the reference to the bit. The cases cover every
 state code, param dtype, the rule's variants (L2, no decay, NVLAMB, clipping
-on and off), block sizes, a set ``noop``, thread counts and the error checks.
-On CUDA the reference serves both stages (no compiled kernel yet), so only the
-CPU is compared.
+on and off), block sizes, a set ``noop``, thread counts and the error checks,
+on every device with a compiled kernel for the stages (on CUDA the reference
+runs LAMB's compiled fp32 stages on the decoded state); the cases skip where
+the reference would be compared with itself.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 from test_lean_state_ops import (
     BF16,
     E4M3,
@@ -30,6 +32,7 @@ from test_lean_state_ops import (
     _assert_same,
     _common,
     _state,
+    _to,
 )
 from test_ops import assert_bitwise, clone_args
 
@@ -55,54 +58,64 @@ def _lists(m_code=I8, v_code=U8, param_dtype=BF16, block_size=256, shapes=SHAPES
             [c for c, _ in v], [s for _, s in v if s is not None], model)
 
 
-def _stage1_args(lists, noop=None, inv_scale=True, norm=40.0, block_size=256, **kw):
+def _stage1_args(lists, noop=None, inv_scale=True, norm=40.0, block_size=256, device="cpu",
+                 **kw):
     h = {**LAMB_KW, **kw}
-    return [*lists[:6], noop, torch.full((1,), 0.5) if inv_scale else None, torch.tensor([norm]),
-            h["max_grad_norm"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"], h["step"],
-            h["bias_correction"], h["grad_averaging"], h["adam_w_mode"], h["use_nvlamb"],
-            block_size]
+    return _to([*lists[:6], noop, torch.full((1,), 0.5) if inv_scale else None,
+                torch.tensor([norm]), h["max_grad_norm"], h["beta1"], h["beta2"], h["eps"],
+                h["weight_decay"], h["step"], h["bias_correction"], h["grad_averaging"],
+                h["adam_w_mode"], h["use_nvlamb"], block_size], device)
 
 
 def _stage2_args(lists, norms, model=True, noop=None, inv_scale=True, norm=40.0, block_size=256,
-                 lr=1e-2, seed=7, **kw):
+                 lr=1e-2, seed=7, device="cpu", **kw):
     h = {**LAMB_KW, **kw}
-    return [*lists[:6], *norms, lists[6] if model else [], noop,
-            torch.full((1,), 0.5) if inv_scale else None, torch.tensor([norm]),
-            h["max_grad_norm"], lr, h["beta1"], h["beta2"], h["eps"], h["weight_decay"],
-            h["step"], h["bias_correction"], h["grad_averaging"], h["adam_w_mode"],
-            h["use_nvlamb"], block_size, seed]
+    return _to([*lists[:6], *norms, lists[6] if model else [], noop,
+                torch.full((1,), 0.5) if inv_scale else None, torch.tensor([norm]),
+                h["max_grad_norm"], lr, h["beta1"], h["beta2"], h["eps"], h["weight_decay"],
+                h["step"], h["bias_correction"], h["grad_averaging"], h["adam_w_mode"],
+                h["use_nvlamb"], block_size, seed], device)
 
 
-def _step_both(lists, steps=2, block_size=256, **kw):
-    """`steps` steps through the kernels and through the references, from the same inputs;
-    each side's stage 2 takes its own stage 1's norms. Checks every step and returns the
-    kernels' lists."""
+def _kernel_or_skip(device):
+    """Skips where the reference would be compared with itself."""
+    if not ops.has_native_kernel(device, STAGE1):
+        pytest.skip(f"no compiled kernel for LAMB's lean stages on {device}")
+
+
+def _step_both(lists, steps=2, block_size=256, device="cpu", **kw):
+    """`steps` steps through the kernels and through the references, from the same inputs
+    (on `device`); each side's stage 2 takes its own stage 1's norms. Checks every step and
+    returns the kernels' lists."""
+    _kernel_or_skip(device)
+    lists = _to(list(lists), device)
     got, want = clone_args(list(lists)), clone_args(list(lists))
     for step in range(3, 3 + steps):
-        args1 = _stage1_args(got, block_size=block_size, step=step, **kw)
+        args1 = _stage1_args(got, block_size=block_size, step=step, device=device, **kw)
         before = clone_args(args1)
         norms = torch.ops.amp_patch.multi_tensor_lamb_lean_stage1_(*args1)
         _assert_same(args1, before)  # stage 1 writes nothing
         ref_norms = lean._LEAN_REFERENCE[STAGE1](*_stage1_args(want, block_size=block_size,
-                                                               step=step, **kw))
+                                                               step=step, device=device, **kw))
         for a, b in zip(norms, ref_norms):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
         # The same norms into both stage 2s, so that their bits can be compared.
-        args2 = _stage2_args(got, norms, block_size=block_size, step=step, **kw)
+        args2 = _stage2_args(got, norms, block_size=block_size, step=step, device=device, **kw)
         torch.ops.amp_patch.multi_tensor_lamb_lean_stage2_(*args2)
         lean._LEAN_REFERENCE[STAGE2](*_stage2_args(want, norms, block_size=block_size, step=step,
-                                                   **kw))
+                                                   device=device, **kw))
         _assert_same(got, want)
     return got
 
 
 # ------------------------------------------------------------ kernel against reference
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("param_dtype", PARAM_DTYPES)
 @pytest.mark.parametrize("v_code", SECOND_CODES)
 @pytest.mark.parametrize("m_code", FIRST_CODES)
-def test_stages_match_reference(m_code, v_code, param_dtype):
-    _step_both(_lists(m_code, v_code, param_dtype))
+def test_stages_match_reference(m_code, v_code, param_dtype, device):
+    _step_both(_lists(m_code, v_code, param_dtype), device=device)
 
 
 @pytest.mark.parametrize("variant", [
@@ -114,13 +127,36 @@ def test_stages_match_reference(m_code, v_code, param_dtype):
     {"grad_averaging": False, "bias_correction": False},
 ], ids=["l2", "no_decay", "nvlamb", "no_clipping", "unclipped", "plain"])
 @pytest.mark.parametrize("codes", [(I8, U8), (E4M3, BF16)], ids=["int8-uint8", "e4m3-bf16"])
-def test_variants_match_reference(codes, variant):
-    _step_both(_lists(*codes), **variant)
+@pytest.mark.parametrize("device", DEVICES)
+def test_variants_match_reference(device, codes, variant):
+    _step_both(_lists(*codes), device=device, **variant)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_size", [1, 32, 100, 2048])
-def test_block_sizes_match_reference(block_size):
-    _step_both(_lists(block_size=block_size), block_size=block_size)
+def test_block_sizes_match_reference(block_size, device):
+    _step_both(_lists(block_size=block_size), block_size=block_size, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_tensors_and_nonfinite_grads_match_reference(device):
+    """More tensors than one CUDA launch holds, and inf/NaN grads (non-finite norms and scales)."""
+    shapes = [((1 + (379 * i) % 3000,), "contiguous") for i in range(150)] + [
+        ((40, 2000), "contiguous")]
+    lists = _lists(shapes=shapes)
+    lists[0][3].view(-1)[5] = float("inf")
+    lists[0][150].view(-1)[77] = float("nan")
+    _step_both(lists, steps=1, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norms_are_the_same_every_run(device):
+    _kernel_or_skip(device)
+    lists = _to(list(_lists()), device)
+    runs = [torch.ops.amp_patch.multi_tensor_lamb_lean_stage1_(*_stage1_args(lists, device=device))
+            for _ in range(3)]
+    for other in runs[1:]:
+        assert_bitwise(list(runs[0]), list(other))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -141,24 +177,31 @@ def test_thread_counts_change_no_bit(threads):
     assert_bitwise(list(one), list(many))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("flag_dtype", [torch.float32, torch.int32])
-def test_noop_writes_nothing(flag_dtype):
-    lists = _lists()
+def test_noop_writes_nothing(flag_dtype, device):
+    _kernel_or_skip(device)
+    lists = _to(list(_lists()), device)
     noop = torch.ones(1, dtype=flag_dtype)
-    norms = torch.ops.amp_patch.multi_tensor_lamb_lean_stage1_(*_stage1_args(lists, noop=noop))
+    norms = torch.ops.amp_patch.multi_tensor_lamb_lean_stage1_(
+        *_stage1_args(lists, noop=noop, device=device))
     assert not norms[0].any() and not norms[1].any()
     before = clone_args(list(lists))
+    ones = (torch.ones(11), torch.ones(11))
     for run in (torch.ops.amp_patch.multi_tensor_lamb_lean_stage2_, lean._LEAN_REFERENCE[STAGE2]):
-        args = _stage2_args(clone_args(list(lists)), (torch.ones(11), torch.ones(11)), noop=noop)
+        args = _stage2_args(clone_args(list(lists)), ones, noop=noop, device=device)
         run(*args)
-        _assert_same(args, _stage2_args(before, (torch.ones(11), torch.ones(11)), noop=noop))
+        _assert_same(args, _stage2_args(before, ones, noop=noop, device=device))
 
 
-def test_empty_lists():
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_lists(device):
+    _kernel_or_skip(device)
     empty = tuple([] for _ in range(7))
-    pn, un = torch.ops.amp_patch.multi_tensor_lamb_lean_stage1_(*_stage1_args(empty))
-    assert pn.shape == un.shape == (0,)
-    torch.ops.amp_patch.multi_tensor_lamb_lean_stage2_(*_stage2_args(empty, (pn, un)))
+    pn, un = torch.ops.amp_patch.multi_tensor_lamb_lean_stage1_(*_stage1_args(empty, device=device))
+    assert pn.shape == un.shape == (0,) and pn.device.type == device
+    torch.ops.amp_patch.multi_tensor_lamb_lean_stage2_(*_stage2_args(empty, (pn, un),
+                                                                     device=device))
 
 
 def test_as_the_fp32_stages_on_decoded_state():
