@@ -393,10 +393,13 @@ AMP_OPTIM_FN void novograd_update(T g, T& p, T& m, T denom, const NovoGradHyper&
 // LAMB stage 1: the moments, from the grad unscaled and divided by the clipping
 // divisor (lamb_new_moments, which the lean stage 2 runs again). Returns the
 // update direction (for its norm); stage 2 recomputes it from the stored
-// moments, so no update buffer is needed.
+// moments, so no update buffer is needed. An unclipped step (divisor 1) skips
+// the division, which would change no bit: the product is never a signalling
+// NaN, and x / 1 is x for every other x.
 template <typename T>
 AMP_OPTIM_FN void lamb_new_moments(const T& g, const T& p, T& m, T& v, const LambHyper& h) {
-  adam_new_moments((g * T(h.inv_scale)) / T(h.clip), p, m, v, h);
+  const T scaled = g * T(h.inv_scale);
+  adam_new_moments(h.clip == 1.0f ? scaled : scaled / T(h.clip), p, m, v, h);
 }
 
 template <typename T>
