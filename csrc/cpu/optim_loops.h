@@ -1071,9 +1071,9 @@ constexpr int kParamIndex = std::is_same_v<P, float> ? 0 : 1;
 template <typename G, typename P, int MI, int VI>
 void fill_adam_lean(OptimTable& t) {
   constexpr optim::StateCode kM[] = {optim::StateCode::kBF16, optim::StateCode::kInt8,
-                                     optim::StateCode::kE4M3};
+                                     optim::StateCode::kE4M3, optim::StateCode::kF32};
   constexpr optim::StateCode kV[] = {optim::StateCode::kBF16, optim::StateCode::kSqrtU8,
-                                     optim::StateCode::kE4M3};
+                                     optim::StateCode::kE4M3, optim::StateCode::kF32};
   constexpr int gi = kGradIndex<G>, pi = kParamIndex<P>;
   t.adam_lean_fused[gi][pi][MI][VI] = &adam_lean_loop<G, P, kM[MI], kV[VI]>;
   t.lamb_lean_fused[gi][pi][MI][VI] = &lamb_lean_loop<G, P, kM[MI], kV[VI]>;
@@ -1087,6 +1087,7 @@ void fill_lean_codes(OptimTable& t) {
   t.sgd_lean_fused[gi][pi][1] = &sgd_lean_loop<G, P, optim::StateCode::kBF16>;
   t.sgd_lean_fused[gi][pi][2] = &sgd_lean_loop<G, P, optim::StateCode::kInt8>;
   t.sgd_lean_fused[gi][pi][3] = &sgd_lean_loop<G, P, optim::StateCode::kE4M3>;
+  t.sgd_lean_fused[gi][pi][4] = &sgd_lean_loop<G, P, optim::StateCode::kF32>;
   fill_adam_lean<G, P, 0, 0>(t);
   fill_adam_lean<G, P, 0, 1>(t);
   fill_adam_lean<G, P, 0, 2>(t);
@@ -1096,6 +1097,7 @@ void fill_lean_codes(OptimTable& t) {
   fill_adam_lean<G, P, 2, 0>(t);
   fill_adam_lean<G, P, 2, 1>(t);
   fill_adam_lean<G, P, 2, 2>(t);
+  fill_adam_lean<G, P, 3, 3>(t);  // optimizer_state="fp32" with bf16 masters
 }
 
 OptimTable optim_table() {

@@ -537,9 +537,14 @@ inline void lean_encode(const OptimTable& k, const LeanTensor<S>& t, size_t s,
 }
 
 // The fused tables' index of a state's code: bf16, the state's block-scaled
-// code `scaled`, e4m3; -1 for fp32 state (the tiles serve).
+// code `scaled`, e4m3, fp32; -1 for any other (the tiles serve).
 inline int fused_code_index(optim::StateCode c, optim::StateCode scaled) {
-  return c == optim::StateCode::kBF16 ? 0 : c == scaled ? 1 : c == optim::StateCode::kE4M3 ? 2 : -1;
+  using optim::StateCode;
+  return c == StateCode::kBF16   ? 0
+         : c == scaled           ? 1
+         : c == StateCode::kE4M3 ? 2
+         : c == StateCode::kF32  ? 3
+                                 : -1;
 }
 
 // The fused tables' param index of a tensor, or -1 where the tiles serve it:
@@ -555,16 +560,16 @@ inline int fused_param_index(const LeanTensor<S>& t, int64_t block_size) {
 // The fused loop of `table` (OptimTable's adam_lean_fused, lamb_lean_fused,
 // ...) for a tensor's dtypes and codes, or null (the tiles serve).
 template <typename Loop>
-inline Loop fused_lean(const Loop (&table)[3][2][3][3], const LeanTensor<2>& t,
+inline Loop fused_lean(const Loop (&table)[3][2][4][4], const LeanTensor<2>& t,
                        int64_t block_size) {
   const int mi = fused_code_index(t.sc[0], optim::StateCode::kInt8);
   const int vi = fused_code_index(t.sc[1], optim::StateCode::kSqrtU8);
   const int pi = fused_param_index(t, block_size);
-  return mi < 0 || vi < 0 || pi < 0 ? nullptr : table[t.g_dt][pi][mi][vi];
+  return mi < 0 || vi < 0 || pi < 0 ? nullptr : table[t.g_dt][pi][mi][vi];  // null: not compiled
 }
 
 // OptimTable's sgd_lean_fused loop for a tensor, or null (the tiles serve).
-inline SgdLeanLoop fused_lean(const SgdLeanLoop (&table)[3][2][4], const LeanTensor<1>& t,
+inline SgdLeanLoop fused_lean(const SgdLeanLoop (&table)[3][2][5], const LeanTensor<1>& t,
                               int64_t block_size) {
   const int pi = fused_param_index(t, block_size);
   if (pi < 0) {
@@ -675,7 +680,7 @@ struct CpuBackend {
   // moments, update(g, p, m, v, n, chunk) on them, then the moments encoded and
   // the params stored.
   template <typename Loop, typename Fused, typename Update>
-  static void run_moment_chunks(const LeanPlan<2>& plan, const Loop (&table)[3][2][3][3],
+  static void run_moment_chunks(const LeanPlan<2>& plan, const Loop (&table)[3][2][4][4],
                                 int64_t bs, const Fused& fused, const Update& update) {
     const OptimTable& k = optim_kernels();
     const KernelTable& conv = kernels();

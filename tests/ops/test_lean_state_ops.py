@@ -404,7 +404,7 @@ def test_random_cases_match_reference(rows, cols, one_d, block_size, m_code, v_c
 @given(
     rows=st.integers(1, 4), cols=st.integers(1, 2100),
     block_size=st.sampled_from([32, 64, 96, 256, 512]),
-    codes=st.sampled_from([(I8, U8), (I8, BF16), (BF16, U8)]),
+    codes=st.sampled_from([(I8, U8), (I8, BF16), (BF16, U8), (F32, F32)]),
     param_dtype=st.sampled_from(PARAM_DTYPES),
     bad=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(NONFINITE)),
                  max_size=3),
@@ -429,7 +429,7 @@ def _spoil(grad, bad):
 @given(
     rows=st.integers(1, 4), cols=st.integers(1, 2100),
     block_size=st.sampled_from([32, 64, 96, 256, 512]),
-    code=st.sampled_from([I8, BF16, E4M3]), param_dtype=st.sampled_from([F32, BF16]),
+    code=st.sampled_from([I8, BF16, E4M3, F32]), param_dtype=st.sampled_from([F32, BF16]),
     grad_dtype=st.sampled_from(GRAD_DTYPES),
     variant=st.sampled_from(SGD_VARIANTS[:6]),
     bad=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.sampled_from(NONFINITE)),
