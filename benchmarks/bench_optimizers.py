@@ -73,6 +73,7 @@ LEAN_ROWS = [
     ("int8 state, fp32 masters", "int8", False, 16, None),
     ("fp8 state (e4m3 m, bf16 v), bf16 masters", "fp8", True, 12, None),
     ("bf16 state, bf16 masters", "bf16", True, 14, None),
+    ("fp32 state, bf16 masters", "fp32", True, 22, None),
 ]
 
 
