@@ -763,6 +763,19 @@ AMP_CPU_INLINE void store_param(P* p, int64_t count, const FVec& lo, const FVec&
   }
 }
 
+// `count` updated fp32 params at element `at` of their model copy of dtype dt
+// (kF32, kF16, kBF16), rounded as copy_loop rounds them.
+AMP_CPU_INLINE void store_model(void* model, int dt, int64_t at, int64_t count, const FVec& lo,
+                                const FVec& hi) {
+  if (dt == kBF16) {
+    store_block(static_cast<c10::BFloat16*>(model) + at, count, lo, hi);
+  } else if (dt == kF16) {
+    store_block(static_cast<c10::Half*>(model) + at, count, lo, hi);
+  } else {
+    store_block(static_cast<float*>(model) + at, count, lo, hi);
+  }
+}
+
 // x[0, n) stochastically rounded to bf16 with the bits of elements e0 .. e0 + n
 // (the tile path's params; the fused loops call store_param themselves).
 void stochastic_bf16_loop(const float* x, void* out, int64_t n, uint32_t key, int64_t e0) {
@@ -945,8 +958,8 @@ AMP_CPU_INLINE void lean_block_vectors(const LeanChunkArgs& a, const Rule& rule,
     }
     keep_vectors<MC>(a.m_codes, mt, at, at, c, mv[0], mv[1], am);
     keep_vectors<VC>(a.v_codes, vt, at, at, c, vv[0], vv[1], av);
-    if (a.p_out != nullptr) {
-      store_block(a.p_out + at, c, pv[0], pv[1]);
+    if (a.model != nullptr) {
+      store_model(a.model, a.model_dt, at, c, pv[0], pv[1]);
     }
     store_param(p + at, c, pv[0], pv[1], a.key, e_first + static_cast<uint32_t>(at));
     if (i < late_m.len) {

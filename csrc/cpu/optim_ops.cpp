@@ -485,10 +485,12 @@ inline float* chunk_scales(const LeanTensor<S>& t, int s, const LeanChunk& ch) {
   return t.scale[s] != nullptr ? t.scale[s] + ch.block : nullptr;
 }
 
-// A chunk of a tensor as the fused loops take it (a one-state tensor's second state null).
+// A chunk of a tensor as the fused loops take it (a one-state tensor's second
+// state null); `writes`: the loop writes the model copy of an fp32 param.
 template <size_t S>
-inline LeanChunkArgs fused_chunk(const LeanTensor<S>& t, const LeanChunk& ch, float* p_out,
+inline LeanChunkArgs fused_chunk(const LeanTensor<S>& t, const LeanChunk& ch, bool writes,
                                  float* tiles, int64_t tile, int64_t block_size) {
+  const bool model = writes && t.model != nullptr && t.p_dt == kF32;
   void* v_codes = nullptr;
   float* v_scales = nullptr;
   if constexpr (S > 1) {
@@ -496,8 +498,9 @@ inline LeanChunkArgs fused_chunk(const LeanTensor<S>& t, const LeanChunk& ch, fl
     v_scales = chunk_scales(t, 1, ch);
   }
   return {offset(t.g, t.g_dt, ch.begin), offset(t.p, t.p_dt, ch.begin), chunk_codes(t, 0, ch),
-          chunk_scales(t, 0, ch), v_codes, v_scales, p_out, tiles, tile, ch.len, block_size,
-          t.key, ch.begin};
+          chunk_scales(t, 0, ch), v_codes, v_scales,
+          model ? offset(t.model, t.model_dt, ch.begin) : nullptr, t.model_dt, tiles, tile,
+          ch.len, block_size, t.key, ch.begin};
 }
 
 // The fp32 values of state k of a chunk: the codes decoded into `tile`, or
@@ -600,16 +603,16 @@ inline void lean_model_copy(const KernelTable& conv, const LeanTensor<S>& t, con
   }
 }
 
-// Runs a fused loop over a chunk, call(args), then makes the model copy. The
-// loop keeps its block-scaled states' values in the first two scratch tiles,
-// and the fp32 update in the third when an fp32 param has a model copy (a
-// half param's copy is made from the param as stored).
+// Runs a fused loop over a chunk, call(args), with its block-scaled states'
+// values in the first two scratch tiles. The loop writes an fp32 param's model
+// copy; a half param's is made here, from the param as stored.
 template <size_t S, typename Call>
 inline void run_fused(const KernelTable& conv, const LeanTensor<S>& t, const LeanChunk& ch,
                       float* scratch, int64_t tile, int64_t block_size, const Call& call) {
-  float* p_out = t.model != nullptr && t.p_dt == kF32 ? scratch + 2 * tile : nullptr;
-  call(fused_chunk(t, ch, p_out, scratch, tile, block_size));
-  lean_model_copy(conv, t, ch, p_out);
+  call(fused_chunk(t, ch, true, scratch, tile, block_size));
+  if (t.p_dt != kF32) {
+    lean_model_copy(conv, t, ch, nullptr);
+  }
 }
 
 // Stores the updated fp32 param (bf16: stochastically rounded) and the model copy.
@@ -783,7 +786,7 @@ struct CpuBackend {
       const int64_t n = ch.len;
       double* sums = partial[plan.index_of(ch)].data();
       if (const LambLeanNormsLoop fused = fused_lean(k.lamb_lean_norms_fused, t, bs)) {
-        fused(fused_chunk(t, ch, nullptr, nullptr, 0, bs), args.use_ratio, h, sums);
+        fused(fused_chunk(t, ch, false, nullptr, 0, bs), args.use_ratio, h, sums);
         return;
       }
       const float* g = lean_in(conv, t.g, t.g_dt, ch.begin, n, scratch);

@@ -55,8 +55,9 @@ using StochasticBf16Loop = void (*)(const float* x, void* out, int64_t n, uint32
 // One chunk of a lean-state row for the fused loops: n elements from a block
 // boundary (element e0 of its tensor) with the grads and params where they lie,
 // the moments' codes and their block scales (null for unscaled codes; SGD's
-// momentum is m, and v is null); for the
-// loops that write, p_out (may be null) receives the updated fp32 params, tiles
+// momentum is m, and v is null); for the loops that write, `model` (null:
+// none) is an fp32 param's model copy of dtype model_dt (kF32, kF16, kBF16),
+// which receives the updated params rounded as the copy loops round, tiles
 // holds two fp32 tiles of `tile` >= block elements, and key is the tensor's
 // rounding key. block_size must be a multiple of kLeanFusedAlign.
 struct LeanChunkArgs {
@@ -66,7 +67,8 @@ struct LeanChunkArgs {
   float* m_scales;
   void* v_codes;
   float* v_scales;
-  float* p_out;
+  void* model;
+  int model_dt;
   float* tiles;
   int64_t tile;
   int64_t n;
