@@ -314,13 +314,18 @@ AMP_OPTIM_FN void adam_update(T g, T& p, T& m, T& v, const AdamHyper& h) {
 // square-root code stores. adam_lean_param takes the new moments and returns
 // sqrt(v).
 template <typename T>
-AMP_OPTIM_FN T adam_lean_param(T& p, const T& m, const T& v, const AdamHyper& h) {
-  const T r = sqrt_rn(v);
+AMP_OPTIM_FN void adam_lean_param_from_root(T& p, const T& m, const T& r, const AdamHyper& h) {
   const T step = (m * T(h.lean_step_size)) / (r * T(h.inv_sqrt_bias_correction2) + T(h.eps));
   if (h.adam_w_mode && h.weight_decay != 0.0f) {
     p = p * T(h.lean_decay);
   }
   p = p - step;
+}
+
+template <typename T>
+AMP_OPTIM_FN T adam_lean_param(T& p, const T& m, const T& v, const AdamHyper& h) {
+  const T r = sqrt_rn(v);
+  adam_lean_param_from_root(p, m, r, h);
   return r;
 }
 

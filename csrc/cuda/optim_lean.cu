@@ -243,9 +243,10 @@ struct LeanTensor {
 constexpr int kLeanThreads = 256;  // 8 warps, each a state block at a time
 constexpr int kLeanWarps = kLeanThreads / 32;
 // Thread blocks per SM the registers must allow (more warps in flight hide
-// more of the memory latency). On sm_90 Adam's kernel then takes 104 registers
-// and spills none; 3 would cap it at 80, with spills.
-constexpr int kLeanMinBlocks = 2;
+// more of the memory latency). At 3, on sm_90 (nvcc 13.0), Adam's specialised
+// kernels take 80 registers with 4 B of spills: 37.5% occupancy, against 25% at
+// 2 (87 registers, no spills).
+constexpr int kLeanMinBlocks = 3;
 // Elements a warp covers per chunk of a state block.
 constexpr int kLeanChunk = 32 * kLeanVec;
 // Chunks whose results stay in registers between the two passes (the default
@@ -272,8 +273,26 @@ struct LeanLaunch {
 struct AdamLeanRule {
   using Hyper = optim::AdamHyper;
   static constexpr int kStates = 2;
+  // The param is updated after the block maximum, from the moments (see lean_block).
+  static constexpr bool kSplit = true;
   __device__ static bool reads_state(const Hyper&) { return true; }
   __device__ static bool writes_state(const Hyper&) { return true; }
+  // Whether the moments use the param (L2 decay added to the grad).
+  __device__ static bool moments_read_param(const Hyper& h) {
+    return !h.adam_w_mode && h.weight_decay != 0.0f;
+  }
+  __device__ static void moments(float g, float p, float (&s)[kStates], const Hyper& h) {
+    RnFloat m = s[0], v = s[1];
+    optim::adam_update_moments<RnFloat>(g, p, m, v, h);
+    s[0] = m.v;
+    s[1] = v.v;
+  }
+  // r: the new second moment's square root.
+  __device__ static void param(float& p, float m, float r, const Hyper& h) {
+    RnFloat pp = p;
+    optim::adam_lean_param_from_root<RnFloat>(pp, m, r, h);
+    p = pp.v;
+  }
   __device__ static void step(float g, float& p, float (&s)[kStates], const Hyper& h) {
     RnFloat pp = p, m = s[0], v = s[1];
     optim::adam_lean_update<RnFloat>(g, pp, m, v, h);
@@ -287,6 +306,8 @@ struct AdamLeanRule {
 struct SgdLeanRule {
   using Hyper = optim::SgdHyper;
   static constexpr int kStates = 1;
+  static constexpr bool kSplit = false;  // one step per element: the param with the buffer
+  __device__ static bool moments_read_param(const Hyper&) { return true; }
   __device__ static bool reads_state(const Hyper& h) { return h.momentum != 0.0f && !h.first_run; }
   __device__ static bool writes_state(const Hyper& h) { return h.momentum != 0.0f; }
   __device__ static void step(float g, float& p, float (&s)[kStates], const Hyper& h) {
@@ -327,9 +348,20 @@ __device__ __forceinline__ float round_param(const LeanTensor& t, int64_t e, flo
   return p;
 }
 
+// The code of state k: the launch's constant (kCodes = first * 8 + second,
+// the kernel compiled for it), or the tensor's own (kCodes < 0).
+template <int kCodes>
+__device__ __forceinline__ StateCode code_of(const LeanTensor& t, int k) {
+  if constexpr (kCodes < 0) {
+    return t.code[k];
+  } else {
+    return static_cast<StateCode>(k == 0 ? kCodes / 8 : kCodes % 8);
+  }
+}
+
 // One state block of one tensor, elements [base, base + n), scale slot `slot`,
 // by the calling warp (lane `lane`).
-template <typename Rule>
+template <typename Rule, int kCodes>
 __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, int64_t base,
                            int n, int64_t slot, int lane) {
   constexpr int K = Rule::kStates;
@@ -340,11 +372,11 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
   bool any_scaled = false;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    scaled[k] = t.state[k] != nullptr && writes && optim::block_scaled(t.code[k]);
+    scaled[k] = t.state[k] != nullptr && writes && optim::block_scaled(code_of<kCodes>(t, k));
     state_read[k] = t.state[k] != nullptr && reads;
     any_scaled = any_scaled || scaled[k];
     // s / code_max, one division per block, as the reference's decode factor.
-    decode[k] = scaled[k] && reads ? __fdiv_rn(t.scale[k][slot], optim::code_max(t.code[k])) : 0.0f;
+    decode[k] = scaled[k] && reads ? __fdiv_rn(t.scale[k][slot], optim::code_max(code_of<kCodes>(t, k))) : 0.0f;
   }
 
   // Value i of this lane in chunk c is element index(c, i) of the block: its
@@ -358,16 +390,26 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
   // The new params and states of this lane's values of chunk c; a uint8 state
   // is returned as its square root, the value its code scales. Values past
   // the block compute on zeros and are neither counted nor stored.
+  // A split rule's moments read the param only for L2 decay; its param is
+  // updated in store(), after the block maximum, so that it is not held across it.
+  const bool param_now = !Rule::kSplit || Rule::moments_read_param(h);
   auto compute = [&](int c, float (&p)[V], float (&s)[K][V]) {
     float g[V];
     if (whole(c)) {
       const int64_t e = base + index(c, 0);
       load_vec(t.grad, t.grad_dt, e, g);
-      load_vec(t.param, t.param_dt, e, p);
+      if (param_now) {
+        load_vec(t.param, t.param_dt, e, p);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          p[i] = 0.0f;
+        }
+      }
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (state_read[k]) {
-          load_state_vec(t.state[k], t.code[k], e, decode[k], s[k]);
+          load_state_vec(t.state[k], code_of<kCodes>(t, k), e, decode[k], s[k]);
         } else {
 #pragma unroll
           for (int i = 0; i < V; ++i) {
@@ -382,10 +424,10 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
         const int64_t e = base + j;
         const bool in = j < n;
         g[i] = in ? load_as_float(t.grad, t.grad_dt, e) : 0.0f;
-        p[i] = in ? load_as_float(t.param, t.param_dt, e) : 0.0f;
+        p[i] = in && param_now ? load_as_float(t.param, t.param_dt, e) : 0.0f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-          s[k][i] = in && state_read[k] ? load_state(t.state[k], t.code[k], e, decode[k]) : 0.0f;
+          s[k][i] = in && state_read[k] ? load_state(t.state[k], code_of<kCodes>(t, k), e, decode[k]) : 0.0f;
         }
       }
     }
@@ -396,10 +438,14 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
       for (int k = 0; k < K; ++k) {
         si[k] = s[k][i];
       }
-      Rule::step(g[i], p[i], si, h);
+      if constexpr (Rule::kSplit) {
+        Rule::moments(g[i], p[i], si, h);
+      } else {
+        Rule::step(g[i], p[i], si, h);
+      }
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        s[k][i] = t.code[k] == StateCode::kSqrtU8 ? __fsqrt_rn(si[k]) : si[k];
+        s[k][i] = code_of<kCodes>(t, k) == StateCode::kSqrtU8 ? __fsqrt_rn(si[k]) : si[k];
       }
     }
   };
@@ -445,7 +491,7 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     // code_max / s, one division per block, as the reference's encode factor.
-    encode[k] = scaled[k] ? __fdiv_rn(optim::code_max(t.code[k]), top[k]) : 0.0f;
+    encode[k] = scaled[k] ? __fdiv_rn(optim::code_max(code_of<kCodes>(t, k)), top[k]) : 0.0f;
     // An inf scale gives the finite factor 0: unusable too (the reference's rule).
     usable[k] = isfinite(encode[k]) && isfinite(top[k]);
     if (scaled[k] && lane == 0) {
@@ -453,7 +499,27 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
     }
   }
 
-  auto store = [&](int c, const float (&p)[V], const float (&s)[K][V]) {
+  // A split rule's new params from the moments: the param loaded (again, for L2) and stepped.
+  auto step_params = [&](int c, float (&p)[V], const float (&s)[K][V]) {
+    if constexpr (Rule::kSplit) {
+      if (whole(c)) {
+        load_vec(t.param, t.param_dt, base + index(c, 0), p);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const int j = index(c, i);
+          p[i] = j < n ? load_as_float(t.param, t.param_dt, base + j) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float r = code_of<kCodes>(t, 1) == StateCode::kSqrtU8 ? s[1][i] : __fsqrt_rn(s[1][i]);
+        Rule::param(p[i], s[0][i], r, h);
+      }
+    }
+  };
+  auto store = [&](int c, float (&p)[V], const float (&s)[K][V]) {
+    step_params(c, p, s);
     if (whole(c)) {
       const int64_t e = base + index(c, 0);
       float stored[V];
@@ -473,7 +539,7 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (writes && t.state[k] != nullptr) {
-          store_state_vec(t.state[k], t.code[k], e, s[k], encode[k], usable[k]);
+          store_state_vec(t.state[k], code_of<kCodes>(t, k), e, s[k], encode[k], usable[k]);
         }
       }
       return;
@@ -498,7 +564,7 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (writes && t.state[k] != nullptr) {
-          store_state(t.state[k], t.code[k], e, s[k][i], encode[k], usable[k]);
+          store_state(t.state[k], code_of<kCodes>(t, k), e, s[k][i], encode[k], usable[k]);
         }
       }
     }
@@ -518,7 +584,7 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
   }
 }
 
-template <typename Rule>
+template <typename Rule, int kCodes>
 __global__ void __launch_bounds__(kLeanThreads, kLeanMinBlocks)
     lean_kernel(const __grid_constant__ LeanLaunch<typename Rule::Hyper> a) {
   if (a.common.skipped()) {
@@ -546,7 +612,7 @@ __global__ void __launch_bounds__(kLeanThreads, kLeanMinBlocks)
     const int64_t start = (slot - row * t.blocks_per_row) * a.block_size;
     const int64_t left = t.row_len - start;
     const int n = static_cast<int>(left < a.block_size ? left : a.block_size);
-    lean_block<Rule>(t, h, row * t.row_len + start, n, slot, lane);
+    lean_block<Rule, kCodes>(t, h, row * t.row_len + start, n, slot, lane);
   }
 }
 
@@ -645,9 +711,8 @@ class LeanPlan {
         }
       }
       t.vec = vector_access(t);
-      t.first_block = total_blocks_;
-      total_blocks_ += rows * t.blocks_per_row;
       tensors_.push_back(t);
+      block_counts_.push_back(rows * t.blocks_per_row);
     }
   }
 
@@ -657,24 +722,39 @@ class LeanPlan {
   void run(const OptimCommon& common, const typename Rule::Hyper& h) {
     static_assert(sizeof(LeanLaunch<typename Rule::Hyper>) <= kParamBytes,
                   "the lean launch arguments exceed the kernel parameter space");
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    for (size_t first = 0; first < tensors_.size(); first += kLeanTensors) {
-      const size_t count = std::min<size_t>(kLeanTensors, tensors_.size() - first);
-      LeanLaunch<typename Rule::Hyper> a{};
-      const int64_t offset = tensors_[first].first_block;
-      for (size_t k = 0; k < count; ++k) {
-        a.t[k] = tensors_[first + k];
-        a.t[k].first_block -= offset;
+    // The tensors by code pair, in order of first appearance: each pair
+    // launches the kernel compiled for it (or the one that reads the codes).
+    std::vector<int> pairs;
+    std::vector<std::vector<size_t>> groups;
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      const int pair = code_pair(tensors_[i].code[0], tensors_[i].code[1]);
+      const auto at = std::find(pairs.begin(), pairs.end(), pair);
+      if (at == pairs.end()) {
+        pairs.push_back(pair);
+        groups.push_back({i});
+      } else {
+        groups[at - pairs.begin()].push_back(i);
       }
-      const size_t end = first + count;
-      a.total_blocks = (end < tensors_.size() ? tensors_[end].first_block : total_blocks_) - offset;
-      a.n = static_cast<int32_t>(count);
-      a.block_size = static_cast<int32_t>(block_size_);
-      a.common = common;
-      a.h = h;
-      const int64_t grid = std::min((a.total_blocks + kLeanWarps - 1) / kLeanWarps, kLeanMaxGrid);
-      lean_kernel<Rule><<<static_cast<unsigned>(grid), kLeanThreads, 0, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const std::vector<size_t>& group = groups[g];
+      for (size_t first = 0; first < group.size(); first += kLeanTensors) {
+        const size_t count = std::min<size_t>(kLeanTensors, group.size() - first);
+        LeanLaunch<typename Rule::Hyper> a{};
+        int64_t blocks = 0;
+        for (size_t k = 0; k < count; ++k) {
+          a.t[k] = tensors_[group[first + k]];
+          a.t[k].first_block = blocks;
+          blocks += block_counts_[group[first + k]];
+        }
+        a.total_blocks = blocks;
+        a.n = static_cast<int32_t>(count);
+        a.block_size = static_cast<int32_t>(block_size_);
+        a.common = common;
+        a.h = h;
+        launch<Rule>(pairs[g], a, stream);
+      }
     }
     for (auto& [user, stand_in] : write_back_) {
       user.copy_(stand_in);
@@ -682,6 +762,48 @@ class LeanPlan {
   }
 
  private:
+  static constexpr int code_pair(StateCode first, StateCode second) {
+    return static_cast<int>(first) * 8 + static_cast<int>(second);
+  }
+
+  // One launch of Rule's kernel for code pair `pair`: compiled for the pairs
+  // the formats make (initialize's optimizer_state, and fp32 for the tensors a
+  // format leaves in fp32), else the kernel that reads each tensor's codes.
+  template <typename Rule>
+  static void launch(int pair, const LeanLaunch<typename Rule::Hyper>& a, cudaStream_t stream) {
+    using C = StateCode;
+    const unsigned grid = static_cast<unsigned>(
+        std::min((a.total_blocks + kLeanWarps - 1) / kLeanWarps, kLeanMaxGrid));
+    auto go = [&](auto kernel) {
+      kernel<<<grid, kLeanThreads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    constexpr int kF32 = code_pair(C::kF32, C::kF32);
+    if constexpr (Rule::kStates == 2) {
+      constexpr int kInt8 = code_pair(C::kInt8, C::kSqrtU8);
+      constexpr int kFp8 = code_pair(C::kE4M3, C::kBF16);
+      constexpr int kBf16 = code_pair(C::kBF16, C::kBF16);
+      switch (pair) {
+        case kInt8: return go(lean_kernel<Rule, kInt8>);
+        case kFp8: return go(lean_kernel<Rule, kFp8>);
+        case kBf16: return go(lean_kernel<Rule, kBf16>);
+        case kF32: return go(lean_kernel<Rule, kF32>);
+        default: return go(lean_kernel<Rule, -1>);
+      }
+    } else {
+      constexpr int kInt8 = code_pair(C::kInt8, C::kF32);
+      constexpr int kFp8 = code_pair(C::kE4M3, C::kF32);
+      constexpr int kBf16 = code_pair(C::kBF16, C::kF32);
+      switch (pair) {
+        case kInt8: return go(lean_kernel<Rule, kInt8>);
+        case kFp8: return go(lean_kernel<Rule, kFp8>);
+        case kBf16: return go(lean_kernel<Rule, kBf16>);
+        case kF32: return go(lean_kernel<Rule, kF32>);
+        default: return go(lean_kernel<Rule, -1>);
+      }
+    }
+  }
+
   // Whether the kernel may read and write tensor t in vectors: every state
   // block, and so every lane's run of kLeanVec elements, starts at a multiple
   // of kLeanVec, and every pointer is 16-byte aligned.
@@ -709,8 +831,8 @@ class LeanPlan {
   }
 
   int64_t block_size_;
-  int64_t total_blocks_ = 0;
   std::vector<LeanTensor> tensors_;
+  std::vector<int64_t> block_counts_;  // state blocks of each tensor
   // Stand-ins are freed after the launches; the caching allocator reuses
   // memory in stream order, so that is safe.
   std::vector<at::Tensor> keep_alive_;
