@@ -145,8 +145,8 @@ _LEAN_SCHEMAS = {
     ),
 }
 
-#: The lean ops with a compiled CUDA kernel; the others run their reference body on CUDA.
-_CUDA_KERNELS = ("multi_tensor_adam_lean_", "multi_tensor_sgd_lean_")
+#: The lean ops with a compiled CUDA kernel (csrc/cuda/optim_lean.cu).
+_CUDA_KERNELS = tuple(_LEAN_SCHEMAS)
 
 _MASK32 = 0xFFFFFFFF
 # Odd 32-bit constants of the hash (golden ratio, and murmur3's finaliser).

@@ -30,13 +30,6 @@ namespace {
 
 using optim::RnFloat;
 
-// The clipping divisor from the global grad norm of the scaled grads, rounded
-// as the CPU kernel rounds it on the host.
-__device__ __forceinline__ float clip_divisor(float global_norm, float inv_scale, float max_norm) {
-  const float norm = __fmul_rn(global_norm, inv_scale);
-  return max_norm > 0.0f && norm > max_norm ? __fdiv_rn(norm, max_norm) : 1.0f;
-}
-
 struct LambMomentsOp {
   OptimCommon common;
   optim::LambHyper h;
@@ -109,20 +102,6 @@ struct LambApplyRule {
   }
 };
 
-// A tensor's step size: lr times its trust ratio when it has one and both
-// norms are non-zero, rounded as the CPU kernels round it on the host.
-struct TrustRatio {
-  const float* param_norms;
-  const float* update_norms;
-  float lr;
-  bool enabled;
-
-  __device__ float operator()(int t) const {
-    const float pn = param_norms[t], un = update_norms[t];
-    return enabled && pn != 0.0f && un != 0.0f ? __fmul_rn(lr, __fdiv_rn(pn, un)) : lr;
-  }
-};
-
 // The CUDA side of LAMB's ops of optim_args.h.
 struct CudaLamb {
   static std::tuple<at::Tensor, at::Tensor> lamb_moments(
@@ -130,9 +109,7 @@ struct CudaLamb {
       const optim::LambHyper& h, const at::Tensor& global_grad_norm, float max_grad_norm) {
     const at::Device device = global_grad_norm.device();
     const c10::cuda::CUDAGuard guard(device);
-    AMP_CHECK(global_grad_norm.numel() == 1 && global_grad_norm.scalar_type() == at::kFloat,
-                "amp_patch::", op, ": global_grad_norm must be a one-element float32 tensor, got ",
-                global_grad_norm.scalar_type(), " with ", global_grad_norm.numel(), " elements");
+    const float* global_norm = global_norm_ptr(op, global_grad_norm, device);
     OptimPlan<4> plan(op, lists, device);
     const at::TensorList grads = lists[0].tensors;
     const int64_t n = static_cast<int64_t>(grads.size());
@@ -151,7 +128,7 @@ struct CudaLamb {
     AMP_CHECK(n * max_chunks <= INT32_MAX, "amp_patch::", op, ": too many chunks");
     float* partials_ptr = partials.data_ptr<float>();
     launch_groups(plan, LambMomentsOp{optim_common(op, flags.noop, flags.inv_scale, device), h,
-                                      global_grad_norm.const_data_ptr<float>(), partials_ptr,
+                                      global_norm, partials_ptr,
                                       partials_ptr + n * max_chunks, max_grad_norm,
                                       static_cast<int>(max_chunks)});
     lamb_norms_finalize<<<static_cast<unsigned>(n), kFinalizeThreads, 0,

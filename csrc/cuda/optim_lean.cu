@@ -1,6 +1,7 @@
-// The lean optimizer ops on CUDA: multi_tensor_adam_lean_ and
-// multi_tensor_sgd_lean_ (amp_patch/ops/lean_state_ops.py holds their
-// reference bodies, which these kernels equal bit for bit).
+// The lean optimizer ops on CUDA: multi_tensor_adam_lean_,
+// multi_tensor_sgd_lean_ and LAMB's two lean stages
+// (amp_patch/ops/lean_state_ops.py holds their reference bodies, which these
+// kernels equal bit for bit; stage 1's norms to rounding, as the fp32 stage 1's).
 //
 // Each state tensor is stored in a code (fp32, bf16, or block-scaled int8,
 // uint8 = square root, float8_e4m3fn) with one fp32 scale per block of
@@ -25,18 +26,29 @@
 // warp walks state blocks [warp, total) with a stride of the grid's warps and
 // finds its tensor by a binary search over the tensors' first block numbers.
 // A set noop flag returns before anything is read or written.
+//
+// LAMB's stage 1 (lamb_norms_kernel) walks the same blocks and writes nothing
+// but each block's sums of p^2 and u^2 (u the update direction); a second
+// launch gives each tensor one thread block that adds its blocks' sums in a
+// fixed order, so the norms are the same from run to run. Stage 2 is the
+// update kernel with LAMB's rule and each tensor's step size.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
+
+#include <cub/block/block_reduce.cuh>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -235,6 +247,7 @@ struct LeanTensor {
   int64_t first_block;       // the launch's number of this tensor's first state block
   int64_t blocks_per_row;
   uint32_t key;              // stochastic rounding (bf16 params)
+  int32_t index;             // in the op's lists (LAMB's norms)
   int8_t grad_dt, param_dt, model_dt;  // tensor_lists.cuh's dtype_index
   StateCode code[kMaxStates];
   bool vec;  // read and written in vectors of kLeanVec (the plan's rule)
@@ -254,7 +267,7 @@ constexpr int kLeanChunk = 32 * kLeanVec;
 constexpr int kLeanCachedChunks = 1;
 // Grid size cap; warps loop over the rest.
 constexpr int64_t kLeanMaxGrid = int64_t{1} << 16;
-constexpr int kLeanOwnBytes = 160;  // the launch's other fields, checked below
+constexpr int kLeanOwnBytes = 256;  // the launch's other fields, checked below
 constexpr int kLeanTensors = (kParamBytes - kLeanOwnBytes) / static_cast<int>(sizeof(LeanTensor));
 
 template <typename Hyper>
@@ -269,9 +282,20 @@ struct LeanLaunch {
 
 // ------------------------------------------------------------------ update rules
 
+// A rule's hyper-parameters as its launch uses them (prepare: the loss scale
+// read on the device) and as one tensor's blocks use them (for_tensor).
+template <typename H>
+struct PlainLeanHyper {
+  using Hyper = H;
+  __device__ static H prepare(H h, const OptimCommon& common) {
+    h.inv_scale = common.scale();
+    return h;
+  }
+  __device__ static const H& for_tensor(const H& h, const LeanTensor&) { return h; }
+};
+
 // Adam (optim_math.h's adam_lean_update): state 0 exp_avg, state 1 exp_avg_sq.
-struct AdamLeanRule {
-  using Hyper = optim::AdamHyper;
+struct AdamLeanRule : PlainLeanHyper<optim::AdamHyper> {
   static constexpr int kStates = 2;
   // The param is updated after the block maximum, from the moments (see lean_block).
   static constexpr bool kSplit = true;
@@ -293,18 +317,10 @@ struct AdamLeanRule {
     optim::adam_lean_param_from_root<RnFloat>(pp, m, r, h);
     p = pp.v;
   }
-  __device__ static void step(float g, float& p, float (&s)[kStates], const Hyper& h) {
-    RnFloat pp = p, m = s[0], v = s[1];
-    optim::adam_lean_update<RnFloat>(g, pp, m, v, h);
-    p = pp.v;
-    s[0] = m.v;
-    s[1] = v.v;
-  }
 };
 
 // SGD: state 0 the momentum buffer (absent without momentum; not read on the first run).
-struct SgdLeanRule {
-  using Hyper = optim::SgdHyper;
+struct SgdLeanRule : PlainLeanHyper<optim::SgdHyper> {
   static constexpr int kStates = 1;
   static constexpr bool kSplit = false;  // one step per element: the param with the buffer
   __device__ static bool moments_read_param(const Hyper&) { return true; }
@@ -315,6 +331,49 @@ struct SgdLeanRule {
     optim::sgd_update<RnFloat>(g, pp, h.momentum != 0.0f ? &mom : nullptr, h);
     p = pp.v;
     s[0] = mom.v;
+  }
+};
+
+// What LAMB's lean stages take: the rule, the clipping inputs (the divisor is
+// computed on the device, as the fp32 stage 1 computes it), whether the trust
+// ratio applies (stage 1 then sums p^2), stage 2's trust ratios and the
+// tensor's step size (for_tensor's), and stage 1's block sums (per launch).
+struct LambLeanHyper {
+  optim::LambHyper lamb;
+  const float* global_grad_norm;
+  float max_grad_norm;
+  bool use_ratio;
+  TrustRatio ratio;
+  float step_size;
+  float* sums;  // stage 1: sums[2 b], sums[2 b + 1] for block b of the launch
+};
+
+// LAMB's stage 2 (optim_math.h's lamb_new_moments, the same moments as stage
+// 1's, then lamb_apply with the tensor's step size): state 0 exp_avg, state 1
+// exp_avg_sq.
+struct LambLeanRule {
+  using Hyper = LambLeanHyper;
+  static constexpr int kStates = 2;
+  static constexpr bool kSplit = false;
+  __device__ static Hyper prepare(Hyper h, const OptimCommon& common) {
+    h.lamb.inv_scale = common.scale();
+    h.lamb.clip = clip_divisor(*h.global_grad_norm, h.lamb.inv_scale, h.max_grad_norm);
+    return h;
+  }
+  __device__ static Hyper for_tensor(Hyper h, const LeanTensor& t) {
+    h.step_size = h.ratio(t.index);
+    return h;
+  }
+  __device__ static bool moments_read_param(const Hyper&) { return true; }
+  __device__ static bool reads_state(const Hyper&) { return true; }
+  __device__ static bool writes_state(const Hyper&) { return true; }
+  __device__ static void step(float g, float& p, float (&s)[kStates], const Hyper& h) {
+    RnFloat pp = p, m = s[0], v = s[1];
+    optim::lamb_new_moments<RnFloat>(g, pp, m, v, h.lamb);
+    optim::lamb_apply<RnFloat>(pp, m, v, RnFloat(h.step_size), h.lamb);
+    p = pp.v;
+    s[0] = m.v;
+    s[1] = v.v;
   }
 };
 
@@ -359,6 +418,67 @@ __device__ __forceinline__ StateCode code_of(const LeanTensor& t, int k) {
   }
 }
 
+// Value i of `lane` in chunk c of a state block is element lane_index of the
+// block: its kLeanVec consecutive elements in a vector tensor, every 32nd
+// element else.
+__device__ __forceinline__ int lane_index(const LeanTensor& t, int c, int i, int lane) {
+  return c * kLeanChunk + (t.vec ? lane * kLeanVec + i : i * 32 + lane);
+}
+
+// Whether lane's values of chunk c of a block of n elements are one whole vector.
+__device__ __forceinline__ bool lane_whole(const LeanTensor& t, int c, int n, int lane) {
+  return t.vec && c * kLeanChunk + (lane + 1) * kLeanVec <= n;
+}
+
+// Loads lane's values of chunk c of the block of n elements at `base`: grads,
+// params (zeros unless with_param) and the K states (zeros where not
+// state_read), decoded with the block's factors s / code_max. Values past the
+// block are zeros.
+template <int K, int kCodes>
+__device__ __forceinline__ void load_lane(const LeanTensor& t, int64_t base, int c, int n, int lane,
+                                          bool with_param, const bool (&state_read)[K],
+                                          const float (&decode)[K], float (&g)[kLeanVec],
+                                          float (&p)[kLeanVec], float (&s)[K][kLeanVec]) {
+  constexpr int V = kLeanVec;
+  if (lane_whole(t, c, n, lane)) {
+    const int64_t e = base + lane_index(t, c, 0, lane);
+    load_vec(t.grad, t.grad_dt, e, g);
+    if (with_param) {
+      load_vec(t.param, t.param_dt, e, p);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        p[i] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (state_read[k]) {
+        load_state_vec(t.state[k], code_of<kCodes>(t, k), e, decode[k], s[k]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          s[k][i] = 0.0f;
+        }
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int j = lane_index(t, c, i, lane);
+    const int64_t e = base + j;
+    const bool in = j < n;
+    g[i] = in ? load_as_float(t.grad, t.grad_dt, e) : 0.0f;
+    p[i] = in && with_param ? load_as_float(t.param, t.param_dt, e) : 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      s[k][i] = in && state_read[k] ? load_state(t.state[k], code_of<kCodes>(t, k), e, decode[k])
+                                    : 0.0f;
+    }
+  }
+}
+
 // One state block of one tensor, elements [base, base + n), scale slot `slot`,
 // by the calling warp (lane `lane`).
 template <typename Rule, int kCodes>
@@ -379,13 +499,8 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
     decode[k] = scaled[k] && reads ? __fdiv_rn(t.scale[k][slot], optim::code_max(code_of<kCodes>(t, k))) : 0.0f;
   }
 
-  // Value i of this lane in chunk c is element index(c, i) of the block: its
-  // kLeanVec consecutive elements in a vector tensor, every 32nd element else.
-  auto index = [&](int c, int i) {
-    return c * kLeanChunk + (t.vec ? lane * V + i : i * 32 + lane);
-  };
-  // Whether this lane's values of chunk c are one whole vector.
-  auto whole = [&](int c) { return t.vec && c * kLeanChunk + (lane + 1) * V <= n; };
+  auto index = [&](int c, int i) { return lane_index(t, c, i, lane); };
+  auto whole = [&](int c) { return lane_whole(t, c, n, lane); };
 
   // The new params and states of this lane's values of chunk c; a uint8 state
   // is returned as its square root, the value its code scales. Values past
@@ -395,42 +510,7 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
   const bool param_now = !Rule::kSplit || Rule::moments_read_param(h);
   auto compute = [&](int c, float (&p)[V], float (&s)[K][V]) {
     float g[V];
-    if (whole(c)) {
-      const int64_t e = base + index(c, 0);
-      load_vec(t.grad, t.grad_dt, e, g);
-      if (param_now) {
-        load_vec(t.param, t.param_dt, e, p);
-      } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          p[i] = 0.0f;
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        if (state_read[k]) {
-          load_state_vec(t.state[k], code_of<kCodes>(t, k), e, decode[k], s[k]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < V; ++i) {
-            s[k][i] = 0.0f;
-          }
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const int j = index(c, i);
-        const int64_t e = base + j;
-        const bool in = j < n;
-        g[i] = in ? load_as_float(t.grad, t.grad_dt, e) : 0.0f;
-        p[i] = in && param_now ? load_as_float(t.param, t.param_dt, e) : 0.0f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-          s[k][i] = in && state_read[k] ? load_state(t.state[k], code_of<kCodes>(t, k), e, decode[k]) : 0.0f;
-        }
-      }
-    }
+    load_lane<K, kCodes>(t, base, c, n, lane, param_now, state_read, decode, g, p, s);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       float si[K];
@@ -584,15 +664,10 @@ __device__ void lean_block(const LeanTensor& t, const typename Rule::Hyper& h, i
   }
 }
 
-template <typename Rule, int kCodes>
-__global__ void __launch_bounds__(kLeanThreads, kLeanMinBlocks)
-    lean_kernel(const __grid_constant__ LeanLaunch<typename Rule::Hyper> a) {
-  if (a.common.skipped()) {
-    return;
-  }
-  typename Rule::Hyper h = a.h;
-  h.inv_scale = a.common.scale();
-  const int lane = static_cast<int>(threadIdx.x & 31);
+// Calls f(t, base, n, slot, b) for each state block b of the launch that the
+// calling warp takes: tensor t's elements [base, base + n), its scale slot.
+template <typename Hyper, typename F>
+__device__ __forceinline__ void for_warp_blocks(const LeanLaunch<Hyper>& a, F&& f) {
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kLeanWarps;
   // b is the same in all lanes of a warp, so its shuffles see every lane.
   for (int64_t b = static_cast<int64_t>(blockIdx.x) * kLeanWarps + (threadIdx.x >> 5);
@@ -612,7 +687,108 @@ __global__ void __launch_bounds__(kLeanThreads, kLeanMinBlocks)
     const int64_t start = (slot - row * t.blocks_per_row) * a.block_size;
     const int64_t left = t.row_len - start;
     const int n = static_cast<int>(left < a.block_size ? left : a.block_size);
-    lean_block<Rule, kCodes>(t, h, row * t.row_len + start, n, slot, lane);
+    f(t, row * t.row_len + start, n, slot, b);
+  }
+}
+
+template <typename Rule, int kCodes>
+__global__ void __launch_bounds__(kLeanThreads, kLeanMinBlocks)
+    lean_kernel(const __grid_constant__ LeanLaunch<typename Rule::Hyper> a) {
+  if (a.common.skipped()) {
+    return;
+  }
+  const typename Rule::Hyper h = Rule::prepare(a.h, a.common);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  for_warp_blocks(a, [&](const LeanTensor& t, int64_t base, int n, int64_t slot, int64_t) {
+    lean_block<Rule, kCodes>(t, Rule::for_tensor(h, t), base, n, slot, lane);
+  });
+}
+
+// The sum of v over the warp, in a fixed order; every lane gets it.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, off);
+  }
+  return v;
+}
+
+// LAMB's lean stage 1 over one state block (the calling warp): the new moments
+// from the decoded ones and the update direction u (optim_math.h's
+// lamb_moments), and the block's sums of p^2 (when the trust ratio applies;
+// else 0, as the fp32 stage 1 without params) and u^2 into sums[0], sums[1].
+// Nothing else is written.
+template <int kCodes>
+__device__ void lamb_norms_block(const LeanTensor& t, const LambLeanHyper& h, int64_t base, int n,
+                                 int64_t slot, int lane, float* sums) {
+  constexpr int V = kLeanVec;
+  const bool state_read[2] = {true, true};
+  float decode[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const StateCode code = code_of<kCodes>(t, k);
+    decode[k] = optim::block_scaled(code) ? __fdiv_rn(t.scale[k][slot], optim::code_max(code))
+                                          : 0.0f;
+  }
+  float p_sq = 0.0f, u_sq = 0.0f;
+  const int chunks = (n + kLeanChunk - 1) / kLeanChunk;
+  for (int c = 0; c < chunks; ++c) {
+    float g[V], p[V], s[2][V];
+    load_lane<2, kCodes>(t, base, c, n, lane, h.use_ratio, state_read, decode, g, p, s);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      if (lane_index(t, c, i, lane) < n) {
+        RnFloat m = s[0][i], v = s[1][i];
+        const RnFloat u = optim::lamb_moments<RnFloat>(g[i], p[i], m, v, h.lamb);
+        p_sq = fmaf(p[i], p[i], p_sq);
+        u_sq = fmaf(u.v, u.v, u_sq);
+      }
+    }
+  }
+  p_sq = warp_sum(p_sq);
+  u_sq = warp_sum(u_sq);
+  if (lane == 0) {
+    sums[0] = p_sq;
+    sums[1] = u_sq;
+  }
+}
+
+template <int kCodes>
+__global__ void __launch_bounds__(kLeanThreads)
+    lamb_norms_kernel(const __grid_constant__ LeanLaunch<LambLeanHyper> a) {
+  if (a.common.skipped()) {
+    return;  // the sums stay 0: so do the norms
+  }
+  const LambLeanHyper h = LambLeanRule::prepare(a.h, a.common);
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  for_warp_blocks(a, [&](const LeanTensor& t, int64_t base, int n, int64_t slot, int64_t b) {
+    lamb_norms_block<kCodes>(t, h, base, n, slot, lane, h.sums + 2 * b);
+  });
+}
+
+constexpr int kNormThreads = 256;
+
+// LAMB's lean stage 1, second launch: one thread block per tensor of the
+// launch adds its state blocks' sums (in a fixed order) and writes their roots
+// to the tensor's elements of the norms.
+__global__ void __launch_bounds__(kNormThreads)
+    lamb_norms_finalize(const __grid_constant__ LeanLaunch<LambLeanHyper> a, float* param_norms,
+                        float* update_norms) {
+  using Reduce = cub::BlockReduce<float, kNormThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  const int k = static_cast<int>(blockIdx.x);
+  const int64_t end = k + 1 < a.n ? a.t[k + 1].first_block : a.total_blocks;
+  float p = 0.0f, u = 0.0f;
+  for (int64_t b = a.t[k].first_block + threadIdx.x; b < end; b += kNormThreads) {
+    p += a.h.sums[2 * b];
+    u += a.h.sums[2 * b + 1];
+  }
+  const float p_total = Reduce(storage).Sum(p);
+  __syncthreads();  // the temp storage is reused
+  const float u_total = Reduce(storage).Sum(u);
+  if (threadIdx.x == 0) {
+    param_norms[a.t[k].index] = sqrtf(p_total);
+    update_norms[a.t[k].index] = sqrtf(u_total);
   }
 }
 
@@ -668,14 +844,15 @@ std::pair<int64_t, int64_t> rows_of(const at::Tensor& t) {
 
 // The tensors of one call as LeanTensor rows. A tensor the kernel cannot walk
 // in row-major order (not contiguous) is replaced by a contiguous stand-in,
-// copied back after the launches when the op writes it. Even a written
-// stand-in starts as a copy: a set noop must leave the copy-back a no-op.
-// (The block-scaled codes and their scales are contiguous: the checks ask it.)
+// copied back after the launches when the op writes it (`writes`: LAMB's
+// stage 1 writes nothing). Even a written stand-in starts as a copy: a set
+// noop must leave the copy-back a no-op. (The block-scaled codes and their
+// scales are contiguous: the checks ask it.)
 class LeanPlan {
  public:
   template <size_t S>
-  LeanPlan(const optim::LeanLists<S>& l, const optim::LeanHyper& lh)
-      : block_size_(lh.block_size) {
+  LeanPlan(const optim::LeanLists<S>& l, const optim::LeanHyper& lh, bool writes = true)
+      : block_size_(lh.block_size), writes_(writes) {
     static_assert(S <= kMaxStates);
     for (size_t i = 0; i < l.grads.size(); ++i) {
       const at::Tensor& grad = l.grads[i];
@@ -687,6 +864,7 @@ class LeanPlan {
       t.row_len = len;
       t.blocks_per_row = (len + block_size_ - 1) / block_size_;
       t.key = optim::lean_tensor_key(lh, static_cast<int64_t>(i));
+      t.index = static_cast<int32_t>(i);
       t.grad = flat(grad, false);
       t.grad_dt = static_cast<int8_t>(dtype_index(grad.scalar_type()));
       t.param = flat(l.params[i], true);
@@ -716,14 +894,54 @@ class LeanPlan {
     }
   }
 
-  // Launches the kernel of Rule over the tensors, kLeanTensors at a time, then
-  // copies the stand-ins back.
+  // Launches the kernel of Rule over the tensors, then copies the stand-ins back.
   template <typename Rule>
   void run(const OptimCommon& common, const typename Rule::Hyper& h) {
-    static_assert(sizeof(LeanLaunch<typename Rule::Hyper>) <= kParamBytes,
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    each_launch(common, h, [&](int pair, const LeanLaunch<typename Rule::Hyper>& a, int64_t) {
+      by_codes<Rule::kStates>(pair, [&](auto codes) {
+        lean_kernel<Rule, decltype(codes)::value><<<grid(a), kLeanThreads, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+    for (auto& [user, stand_in] : write_back_) {
+      user.copy_(stand_in);
+    }
+  }
+
+  // LAMB's lean stage 1: each state block's sums of p^2 and u^2, then each
+  // tensor's norms (the roots of its blocks' totals) into its elements of
+  // param_norms and update_norms (zeros where nothing is written).
+  void lamb_norms(const OptimCommon& common, LambLeanHyper h, float* param_norms,
+                  float* update_norms, const at::TensorOptions& fp32) {
+    int64_t blocks = 0;
+    for (const int64_t count : block_counts_) {
+      blocks += count;
+    }
+    const at::Tensor sums = at::zeros({2 * blocks}, fp32);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    each_launch(common, h, [&](int pair, const LeanLaunch<LambLeanHyper>& launch, int64_t first) {
+      LeanLaunch<LambLeanHyper> a = launch;
+      a.h.sums = sums.data_ptr<float>() + 2 * first;
+      by_codes<2>(pair, [&](auto codes) {
+        lamb_norms_kernel<decltype(codes)::value><<<grid(a), kLeanThreads, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      lamb_norms_finalize<<<static_cast<unsigned>(a.n), kNormThreads, 0, stream>>>(
+          a, param_norms, update_norms);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+
+ private:
+  // Calls launch(pair, a, first) for each launch of the call: the tensors by
+  // code pair, in order of first appearance (each pair runs the kernel
+  // compiled for it, or the one that reads the codes), kLeanTensors at a
+  // time; `first` is the call's number of the launch's first state block.
+  template <typename Hyper, typename Launch>
+  void each_launch(const OptimCommon& common, const Hyper& h, const Launch& launch) const {
+    static_assert(sizeof(LeanLaunch<Hyper>) <= kParamBytes,
                   "the lean launch arguments exceed the kernel parameter space");
-    // The tensors by code pair, in order of first appearance: each pair
-    // launches the kernel compiled for it (or the one that reads the codes).
     std::vector<int> pairs;
     std::vector<std::vector<size_t>> groups;
     for (size_t i = 0; i < tensors_.size(); ++i) {
@@ -736,12 +954,12 @@ class LeanPlan {
         groups[at - pairs.begin()].push_back(i);
       }
     }
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+    int64_t call_blocks = 0;
     for (size_t g = 0; g < groups.size(); ++g) {
       const std::vector<size_t>& group = groups[g];
       for (size_t first = 0; first < group.size(); first += kLeanTensors) {
         const size_t count = std::min<size_t>(kLeanTensors, group.size() - first);
-        LeanLaunch<typename Rule::Hyper> a{};
+        LeanLaunch<Hyper> a{};
         int64_t blocks = 0;
         for (size_t k = 0; k < count; ++k) {
           a.t[k] = tensors_[group[first + k]];
@@ -753,54 +971,40 @@ class LeanPlan {
         a.block_size = static_cast<int32_t>(block_size_);
         a.common = common;
         a.h = h;
-        launch<Rule>(pairs[g], a, stream);
+        launch(pairs[g], a, call_blocks);
+        call_blocks += blocks;
       }
-    }
-    for (auto& [user, stand_in] : write_back_) {
-      user.copy_(stand_in);
     }
   }
 
- private:
+  template <typename Hyper>
+  static unsigned grid(const LeanLaunch<Hyper>& a) {
+    return static_cast<unsigned>(
+        std::min((a.total_blocks + kLeanWarps - 1) / kLeanWarps, kLeanMaxGrid));
+  }
+
   static constexpr int code_pair(StateCode first, StateCode second) {
     return static_cast<int>(first) * 8 + static_cast<int>(second);
   }
 
-  // One launch of Rule's kernel for code pair `pair`: compiled for the pairs
-  // the formats make (initialize's optimizer_state, and fp32 for the tensors a
-  // format leaves in fp32), else the kernel that reads each tensor's codes.
-  template <typename Rule>
-  static void launch(int pair, const LeanLaunch<typename Rule::Hyper>& a, cudaStream_t stream) {
+  // f(std::integral_constant<int, kCodes>) for code pair `pair`: the kernels
+  // are compiled for the pairs the formats make (initialize's optimizer_state,
+  // and fp32 for the tensors a format leaves in fp32), kCodes -1 elsewhere (the
+  // kernel that reads each tensor's codes).
+  template <int kStates, typename F>
+  static void by_codes(int pair, F&& f) {
     using C = StateCode;
-    const unsigned grid = static_cast<unsigned>(
-        std::min((a.total_blocks + kLeanWarps - 1) / kLeanWarps, kLeanMaxGrid));
-    auto go = [&](auto kernel) {
-      kernel<<<grid, kLeanThreads, 0, stream>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
+    constexpr bool kTwo = kStates == 2;
     constexpr int kF32 = code_pair(C::kF32, C::kF32);
-    if constexpr (Rule::kStates == 2) {
-      constexpr int kInt8 = code_pair(C::kInt8, C::kSqrtU8);
-      constexpr int kFp8 = code_pair(C::kE4M3, C::kBF16);
-      constexpr int kBf16 = code_pair(C::kBF16, C::kBF16);
-      switch (pair) {
-        case kInt8: return go(lean_kernel<Rule, kInt8>);
-        case kFp8: return go(lean_kernel<Rule, kFp8>);
-        case kBf16: return go(lean_kernel<Rule, kBf16>);
-        case kF32: return go(lean_kernel<Rule, kF32>);
-        default: return go(lean_kernel<Rule, -1>);
-      }
-    } else {
-      constexpr int kInt8 = code_pair(C::kInt8, C::kF32);
-      constexpr int kFp8 = code_pair(C::kE4M3, C::kF32);
-      constexpr int kBf16 = code_pair(C::kBF16, C::kF32);
-      switch (pair) {
-        case kInt8: return go(lean_kernel<Rule, kInt8>);
-        case kFp8: return go(lean_kernel<Rule, kFp8>);
-        case kBf16: return go(lean_kernel<Rule, kBf16>);
-        case kF32: return go(lean_kernel<Rule, kF32>);
-        default: return go(lean_kernel<Rule, -1>);
-      }
+    constexpr int kInt8 = code_pair(C::kInt8, kTwo ? C::kSqrtU8 : C::kF32);
+    constexpr int kFp8 = code_pair(C::kE4M3, kTwo ? C::kBF16 : C::kF32);
+    constexpr int kBf16 = code_pair(C::kBF16, kTwo ? C::kBF16 : C::kF32);
+    switch (pair) {
+      case kInt8: return f(std::integral_constant<int, kInt8>{});
+      case kFp8: return f(std::integral_constant<int, kFp8>{});
+      case kBf16: return f(std::integral_constant<int, kBf16>{});
+      case kF32: return f(std::integral_constant<int, kF32>{});
+      default: return f(std::integral_constant<int, -1>{});
     }
   }
 
@@ -822,7 +1026,7 @@ class LeanPlan {
       return t.data_ptr();
     }
     at::Tensor stand_in = t.contiguous();
-    if (written) {
+    if (written && writes_) {
       write_back_.emplace_back(t, stand_in);
     } else {
       keep_alive_.push_back(stand_in);
@@ -831,6 +1035,7 @@ class LeanPlan {
   }
 
   int64_t block_size_;
+  bool writes_;
   std::vector<LeanTensor> tensors_;
   std::vector<int64_t> block_counts_;  // state blocks of each tensor
   // Stand-ins are freed after the launches; the caching allocator reuses
@@ -839,9 +1044,11 @@ class LeanPlan {
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
 };
 
-template <typename Rule, size_t S>
+// An update op: make_hyper(device) gives the rule's hyper-parameters (its
+// inputs checked against the call's device).
+template <typename Rule, size_t S, typename MakeHyper>
 void run_lean(const char* op, const optim::LeanLists<S>& l, const optim::Flags& flags,
-              const typename Rule::Hyper& h, const optim::LeanHyper& lh) {
+              const optim::LeanHyper& lh, MakeHyper&& make_hyper) {
   if (l.grads.empty()) {
     return;
   }
@@ -849,8 +1056,22 @@ void run_lean(const char* op, const optim::LeanLists<S>& l, const optim::Flags& 
   check_cuda_lists(op, l, device, lh.block_size);
   const c10::cuda::CUDAGuard guard(device);
   const OptimCommon common = optim_common(op, flags.noop, flags.inv_scale, device);
+  const typename Rule::Hyper h = make_hyper(device);
   LeanPlan plan(l, lh);
   plan.run<Rule>(common, h);
+}
+
+template <typename Rule, size_t S>
+void run_lean(const char* op, const optim::LeanLists<S>& l, const optim::Flags& flags,
+              const typename Rule::Hyper& h, const optim::LeanHyper& lh) {
+  run_lean<Rule>(op, l, flags, lh, [&](const at::Device&) { return h; });
+}
+
+// LAMB's lean hyper-parameters for a call on `device` (ratio: stage 2's).
+inline LambLeanHyper lamb_lean_hyper(const char* op, const optim::LambLeanArgs& args,
+                                     const at::Device& device, TrustRatio ratio = {}) {
+  return {args.hyper, global_norm_ptr(op, args.global_grad_norm, device), args.max_grad_norm,
+          args.use_ratio, ratio, 0.0f, nullptr};
 }
 
 // The CUDA side of optim_args.h's lean entry points (which ran the reference's checks).
@@ -864,6 +1085,41 @@ struct CudaLean {
                        const optim::SgdHyper& h, const optim::LeanHyper& lh) {
     run_lean<SgdLeanRule>(op, l, flags, h, lh);
   }
+
+  static std::tuple<at::Tensor, at::Tensor> lamb_lean_moments(
+      const char* op, const optim::LeanLists<2>& l, const optim::Flags& flags,
+      const optim::LambLeanArgs& args, const optim::LeanHyper& lh) {
+    // The call's device: the global grad norm's, which an empty call has too.
+    const at::Device device = args.global_grad_norm.device();
+    const c10::cuda::CUDAGuard guard(device);
+    const LambLeanHyper h = lamb_lean_hyper(op, args, device);
+    const auto fp32 = at::TensorOptions().device(device).dtype(at::kFloat);
+    const int64_t n = static_cast<int64_t>(l.grads.size());
+    // Two tensors, not two rows of one: the op's outputs must not alias.
+    at::Tensor param_norms = at::zeros({n}, fp32);
+    at::Tensor update_norms = at::zeros({n}, fp32);
+    if (n == 0) {
+      return {param_norms, update_norms};
+    }
+    check_cuda_lists(op, l, device, lh.block_size);
+    const OptimCommon common = optim_common(op, flags.noop, flags.inv_scale, device);
+    LeanPlan plan(l, lh, /*writes=*/false);
+    plan.lamb_norms(common, h, param_norms.data_ptr<float>(), update_norms.data_ptr<float>(), fp32);
+    return {param_norms, update_norms};
+  }
+
+  static void lamb_lean_apply(const char* op, const optim::LeanLists<2>& l,
+                              const optim::Flags& flags, const optim::LambLeanArgs& args,
+                              const at::Tensor& param_norms, const at::Tensor& update_norms,
+                              float lr, const optim::LeanHyper& lh) {
+    run_lean<LambLeanRule>(op, l, flags, lh, [&](const at::Device& device) {
+      const size_t n = l.grads.size();
+      return lamb_lean_hyper(op, args, device,
+                             TrustRatio{per_tensor(op, "param_norms", param_norms, n, device),
+                                        per_tensor(op, "update_norms", update_norms, n, device),
+                                        lr, args.use_ratio});
+    });
+  }
 };
 
 }  // namespace
@@ -874,4 +1130,6 @@ TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
   namespace optim = amp_patch::optim;
   m.impl("multi_tensor_adam_lean_", &optim::adam_lean_op<CudaLean>);
   m.impl("multi_tensor_sgd_lean_", &optim::sgd_lean_op<CudaLean>);
+  m.impl("multi_tensor_lamb_lean_stage1_", &optim::lamb_lean_stage1_op<CudaLean>);
+  m.impl("multi_tensor_lamb_lean_stage2_", &optim::lamb_lean_stage2_op<CudaLean>);
 }

@@ -308,6 +308,38 @@ inline const float* per_tensor(const char* op, const char* what, const at::Tenso
   return t.const_data_ptr<float>();
 }
 
+// LAMB's (fp32 and lean ops): the clipping divisor from the global grad norm
+// of the scaled grads, rounded as the CPU kernels round it on the host.
+__device__ __forceinline__ float clip_divisor(float global_norm, float inv_scale, float max_norm) {
+  const float norm = __fmul_rn(global_norm, inv_scale);
+  return max_norm > 0.0f && norm > max_norm ? __fdiv_rn(norm, max_norm) : 1.0f;
+}
+
+// LAMB's: a tensor's step size, lr times its trust ratio when it has one and
+// both norms are non-zero, rounded as the CPU kernels round it on the host.
+struct TrustRatio {
+  const float* param_norms;
+  const float* update_norms;
+  float lr;
+  bool enabled;
+
+  __device__ float operator()(int t) const {
+    const float pn = param_norms[t], un = update_norms[t];
+    return enabled && pn != 0.0f && un != 0.0f ? __fmul_rn(lr, __fdiv_rn(pn, un)) : lr;
+  }
+};
+
+// LAMB's global grad norm, checked: one float32 element on the call's device.
+inline const float* global_norm_ptr(const char* op, const at::Tensor& global_grad_norm,
+                                    const at::Device& device) {
+  AMP_CHECK(global_grad_norm.numel() == 1 && global_grad_norm.scalar_type() == at::kFloat &&
+                global_grad_norm.device() == device,
+            "amp_patch::", op, ": global_grad_norm must be a one-element float32 tensor on ",
+            device, ", got ", global_grad_norm.scalar_type(), " with ", global_grad_norm.numel(),
+            " elements on ", global_grad_norm.device());
+  return global_grad_norm.const_data_ptr<float>();
+}
+
 // A whole single-sweep op: the plan of its lists on their device, then one
 // SweepOp launch sequence per dtype group. make_per_tensor(device) returns
 // the per-tensor functor (its inputs checked against the device).

@@ -161,8 +161,8 @@ def _sgd_args(shapes, code, param_dtype, block_size, momentum=0.9, nesterov=Fals
 # ------------------------------------------------------------------ registration
 
 def test_cuda_kernels_serve_the_lean_ops():
-    """A build that dropped optim_lean.cu would compare the reference with itself. (LAMB's
-    lean stages have no CUDA kernel yet: their reference bodies serve on CUDA.)"""
+    """A build that dropped optim_lean.cu would compare the reference with itself (LAMB's
+    stages are compared in test_lamb_lean_ops.py)."""
     for name in lean_state_ops._CUDA_KERNELS:
         assert ops.has_native_kernel("cuda", name), name
 
