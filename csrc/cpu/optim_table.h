@@ -79,8 +79,8 @@ struct LeanChunkArgs {
 constexpr int64_t kLeanFusedAlign = 32;
 
 // The fused loops over a chunk (grads fp32/fp16/bf16, params fp32 or bf16, the
-// moments' codes bf16 / int8 / e4m3 and bf16 / uint8 / e4m3, or both fp32), each
-// bit-identical to the tile loops it stands for, run one after another:
+// moments' codes a pair that a state format makes), each bit-identical to the
+// tile loops it stands for, run one after another:
 // Adam's lean op (decode, adam, encode, store);
 using AdamLeanLoop = void (*)(const LeanChunkArgs& a, const optim::AdamHyper& h);
 // LAMB's lean stage 2 with the tensor's step size (lr times its trust ratio)
@@ -109,8 +109,9 @@ struct OptimTable {
   // optim_ops.cpp serve (fp64, an fp32 model copy).
   AdamMixedLoop adam_mixed[kNumDt][kNumDt + 1];
   // [grad dtype: kF32, kF16, kBF16][param: fp32, bf16][m: bf16, int8, e4m3, fp32]
-  // [v: bf16, uint8, e4m3, fp32]: every pair of the first three codes, and fp32
-  // with fp32; null elsewhere (the tiles of optim_ops.cpp serve).
+  // [v: bf16, uint8, e4m3, fp32]: the pairs of optimizers/state_format.py's
+  // formats (bf16/bf16, int8/uint8, e4m3/bf16, fp32/fp32); null elsewhere (the
+  // tiles of optim_ops.cpp serve).
   AdamLeanLoop adam_lean_fused[3][2][4][4];
   LambLeanLoop lamb_lean_fused[3][2][4][4];  // indexed as adam_lean_fused
   LambLeanNormsLoop lamb_lean_norms_fused[3][2][4][4];
