@@ -13,13 +13,15 @@ fp32 masters (True) or bf16 masters) is measured against O2 as it is today
   that is its own master counts 0: it is the model. Counted once per
   configuration after two training steps, in this process.
 - **peak memory**: ``amp-patch compare``'s measure, in each configuration's
-  own process (:mod:`amp_patch.cli.round_robin`): the peak anonymous resident
-  memory, sampled after forward, backward and step, above the process's before
-  the model was built; the highest of the timed rounds' peaks.
+  own process (:mod:`amp_patch.cli.round_robin`): on the CPU the peak
+  anonymous resident memory, sampled after forward, backward and step, above
+  the process's before the model was built; on CUDA the allocator's peak
+  (``torch.cuda.max_memory_allocated``); the highest of the timed rounds' peaks.
 - **optimizer step**: the ``optimizer.step()`` call alone, timed inside each
   training step (the unscale of the grads is part of it: the one-pass step
-  reads the scaled bf16 grads), median over all timed steps; and the whole
-  training step's median. Both as ratios to O2's.
+  reads the scaled bf16 grads; on CUDA the device is synchronised around it),
+  median over all timed steps; and the whole training step's median. Both as
+  ratios to O2's.
 
 The configurations train side by side, round-robin (each round every
 configuration trains its steps in turn, the first rotating), as compare and
@@ -27,12 +29,14 @@ configuration trains its steps in turn, the first rotating), as compare and
 24): int8 state with bf16 masters at <= 0.70x O2's peak, <= 4 optimizer bytes
 per parameter, and <= 1.05x O2's step time, reported both for the optimizer
 step alone and for the whole training step. The section
-``lean-state`` of ``docs/benchmarks.md`` is rewritten.
+``lean-state`` of ``docs/benchmarks.md`` is rewritten (``lean-state-<n>t``
+with ``--threads n``, ``lean-state-cuda`` with ``--device cuda``).
 
 Usage::
 
     python benchmarks/bench_lean_state.py [--rounds 10] [--steps 4] [--no-write]
     python benchmarks/bench_lean_state.py --configs int8/bf16 --quick
+    python benchmarks/bench_lean_state.py --device cuda --rounds 5
 """
 
 from __future__ import annotations
@@ -122,9 +126,9 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer, model: torch.nn.Module) ->
     return total
 
 
-def count_bytes(name: str) -> tuple[int, int]:
+def count_bytes(name: str, device: str = "cpu") -> tuple[int, int]:
     """``(optimizer bytes, model params)`` of a row, after two training steps in this process."""
-    model, optimizer, batch_fn, loss_fn = models.lm(config=LM)
+    model, optimizer, batch_fn, loss_fn = models.lm(device=device, config=LM)
     amp.initialize(model, optimizer, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0,
                    **initialize_options(name))
     try:
@@ -139,11 +143,12 @@ def count_bytes(name: str) -> tuple[int, int]:
 
 
 def measure(names: list[str], rounds: int, steps: int, warmup: int, threads: int | None,
-            ) -> dict[str, LevelRecord]:
+            device: str = "cpu") -> dict[str, LevelRecord]:
     """Train every row in its own process, round-robin; their records by row name."""
     presets = {n: preset(n) for n in names}
-    job = JobSpec(functools.partial(models.lm, config=LM), half_dtype="bf16", threads=threads,
-                  cycle_batches=2, presets=tuple(presets.values()))
+    job = JobSpec(functools.partial(models.lm, config=LM), device=device, half_dtype="bf16",
+                  threads=threads, cycle_batches=2, presets=tuple(presets.values()),
+                  time_optimizer=device == "cuda")
 
     def report(r: int, records: dict[str, LevelRecord]) -> None:
         if r < 0:
@@ -172,7 +177,8 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[str, LevelRecord],
-           rounds: int, steps: int, warmup: int, load: LoadMonitor, pinned: bool = False) -> str:
+           rounds: int, steps: int, warmup: int, load: LoadMonitor, pinned: bool = False,
+           device: str = "cpu") -> str:
     """The markdown section (``pinned``: the rows ran with ``--threads``)."""
     peak = {n: max(r.round_peak_bytes, default=None) if r.ok else None
             for n, r in records.items()}
@@ -196,7 +202,7 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
     table = common.markdown_table(
         ["optimizer_state, masters", "optimizer bytes / param", "peak memory", "peak / O2",
          "optimizer step ms", "step / O2's", "training step ms", "training step / O2's"], rows)
-    host = _host_kind()
+    host = _host_kind(device)
     values = {"peak": lambda n: _ratio(peak.get(n), peak.get(ANCHOR)),
               "bytes": lambda n: per_param.get(n),
               "opt": lambda n: _ratio(opt.get(n), opt.get(ANCHOR)),
@@ -208,13 +214,15 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
         target_rows.append([f"`{n}`: {what}", f"<= {target:.2f}",
                             "-" if value is None else f"{value:.2f}", verdict, host])
     params = next(iter(sizes.values()))[1]
-    kernel = ("native" if ops.has_native_kernel("cpu", "multi_tensor_adam_lean_")
+    kernel = ("native" if ops.has_native_kernel(device, "multi_tensor_adam_lean_")
               else "the reference ops (no compiled kernel)")
     failed = [f"{n}: {records[n].error}" for n in names if not records[n].ok]
     threads = next((r.threads for r in records.values() if r.threads), None)
+    peak_measure = ("the allocator's peak, `torch.cuda.max_memory_allocated`" if device == "cuda"
+                    else "peak anonymous RSS above the process's before the model was built")
+    section = section_name(device, threads if pinned else None)
     parts = [
-        "## Lean optimizer state: the benchmark LM at O2 (lean-state"
-        f"{f'-{threads}t' if pinned else ''})",
+        f"## Lean optimizer state: the benchmark LM at O2 ({section})",
         "",
         f"{common.machine()}. Host kind: {host}. Lean ops: {kernel}. Machine load: "
         f"{load.line()}.",
@@ -228,10 +236,11 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
         f"of {steps} timed steps per row. Optimizer bytes: every tensor in the optimizer's state "
         "(moments or codes, block scales, step counters) plus the fp32 masters it steps, over the "
         "parameter count (a bf16 param that is its own master counts 0). Peak memory: compare's "
-        "measure (peak anonymous RSS above the process's before the model was built; the "
-        "highest round). Optimizer step: the `optimizer.step()` call alone (the one-pass step "
-        "includes the unscale), median over the timed steps; training step: the whole step's "
-        "median. Ratios are against the first row, O2 as it is today.",
+        f"measure ({peak_measure}; the highest round). Optimizer step: the `optimizer.step()` "
+        "call alone (the one-pass step includes the unscale"
+        f"{'; the device synchronised around it' if device == 'cuda' else ''}), median over the "
+        "timed steps; training step: the whole step's median. Ratios are against the first "
+        "row, O2 as it is today.",
         "",
         table,
         "",
@@ -245,7 +254,17 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
     return "\n".join(parts) + "\n"
 
 
-def _host_kind() -> str:
+def section_name(device: str, threads: int | None) -> str:
+    """The section of docs/benchmarks.md a run writes: ``lean-state``, ``lean-state-<n>t``
+    (pinned to n threads) or ``lean-state-cuda``."""
+    if device == "cuda":
+        return "lean-state-cuda"
+    return "lean-state" + (f"-{threads}t" if threads else "")
+
+
+def _host_kind(device: str = "cpu") -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
     support = amp.cpu_half_support()
     return (f"{support.host()}; `torch.ops.mkldnn._is_mkldnn_bf16_supported()` "
             f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
@@ -263,25 +282,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per row first (default: 3)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per row's process (default: torch's default)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the rows train (default: cpu)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 1 step, nothing written")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md")
     ns = p.parse_args(argv)
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available to this torch "
+                f"({torch.__version__}, CUDA {torch.version.cuda})")
     if ns.quick:
         ns.rounds, ns.steps, ns.warmup = 3, 1, 1
     names = list(dict.fromkeys([ANCHOR, *(ns.configs or all_configs())]))
     load = LoadMonitor().start()
     sizes = {}
     for n in names:
-        sizes[n] = count_bytes(n)
+        sizes[n] = count_bytes(n, ns.device)
         print(f"  {n}: {sizes[n][0] / sizes[n][1]:.2f} optimizer bytes / param", file=sys.stderr,
               flush=True)
-    records = measure(names, ns.rounds, ns.steps, ns.warmup, ns.threads)
+    records = measure(names, ns.rounds, ns.steps, ns.warmup, ns.threads, ns.device)
     body = report(names, sizes, records, ns.rounds, ns.steps, ns.warmup, load.stop(),
-                  pinned=ns.threads is not None)
+                  pinned=ns.threads is not None, device=ns.device)
     print(body)
     if not ns.no_write and not ns.quick:
-        # A run pinned to a thread count gets a section of its own, beside the default one.
-        section = "lean-state" + (f"-{ns.threads}t" if ns.threads else "")
+        # A run pinned to a thread count, or on CUDA, gets a section of its own.
+        section = section_name(ns.device, ns.threads)
         print(f"wrote {common.write_section(section, body)}", file=sys.stderr)
     return 0 if all(r.ok for r in records.values()) else 1
 

@@ -2,8 +2,9 @@
 # Everything a GPU session needs, in one call on a machine with a CUDA GPU and
 # a CUDA build of torch in `python3` (plus nvcc, ninja, pytest, hypothesis):
 # build amp_patch with its CUDA kernels, run the CUDA cases of the test suite,
-# the kernel and optimizer benchmarks, and O0-O3 training on CUDA in fp16 with
-# loss scaling (bench_e2e, amp-patch compare).
+# the kernel and optimizer benchmarks, O2 training with lean optimizer state
+# (bench_lean_state), and O0-O3 training on CUDA in fp16 with loss scaling
+# (bench_e2e, amp-patch compare).
 #
 #   bash benchmarks/gpu_session.sh                   # from the repository root
 #   BUDGET=300 bash benchmarks/gpu_session.sh        # seconds for the whole run
@@ -26,7 +27,7 @@ export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 BUDGET=${BUDGET:-480}
-STEPS=${STEPS:-"env install resources kernels pytest optimizers e2e compare"}
+STEPS=${STEPS:-"env install resources kernels pytest optimizers lean e2e compare"}
 START=$SECONDS
 failed=()
 summary=()
@@ -105,6 +106,9 @@ step pytest 240 env AMP_PATCH_REQUIRE_EXT=1 python3 -m pytest "${pytest_args[@]}
 # 200 M parameters: at the CPU's default 20 M, torch's own fused AdamW took 3.3 times the
 # bandwidth floor on an H200, so the steps there measure host work, not the kernels.
 step optimizers 90 python3 benchmarks/bench_optimizers.py --device cuda --repeats 5 --params 2e8
+# Lean optimizer state in training (issue 24's targets on the GPU): the benchmark LM at O2 in
+# bf16, every optimizer_state/master_weights row against O2's fp32 state and masters.
+step lean 120 python3 benchmarks/bench_lean_state.py --device cuda --rounds 5 --steps 4
 step e2e 90 python3 benchmarks/bench_e2e.py --device cuda --half-dtype fp16 --rounds 3 --steps 2
 step compare 60 python3 -m amp_patch compare --device cuda --half-dtype fp16 --steps 60 --out "$LOGS/compare"
 finish

@@ -185,3 +185,20 @@ def test_bench_lean_state_counts_the_optimizers_bytes(config, low, high):
     finally:
         amp.deinitialize()
     assert low <= per_param < high, per_param
+
+
+def test_bench_lean_state_sections_by_device_and_threads():
+    """A CUDA run and a pinned run write sections of their own, beside the default one."""
+    bench = _bench_lean_state()
+    assert bench.section_name("cpu", None) == "lean-state"
+    assert bench.section_name("cpu", 1) == "lean-state-1t"
+    assert bench.section_name("cuda", None) == "lean-state-cuda"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+def test_bench_lean_state_refuses_cuda_without_cuda(capsys):
+    bench = _bench_lean_state()
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--device", "cuda", "--quick"])
+    assert exc.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
