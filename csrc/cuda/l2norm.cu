@@ -34,14 +34,6 @@ namespace {
 
 constexpr int kWarps = kBlockThreads / 32;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
-  }
-  return v;
-}
-
 // The block's sum, valid in thread 0. Called at most once per block.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float warp_sums[kWarps];

@@ -98,6 +98,16 @@ struct Chunk {
   }
 };
 
+// The sum of v over the warp, in a fixed order (a butterfly); every lane gets
+// it. All 32 lanes must call it.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
 // Conversions on the raw bits with register-only intrinsics. c10's own
 // operators reinterpret the object's address, which can keep a whole vector
 // of loaded values in local memory (seen as stack spills in ptxas -v).

@@ -14,8 +14,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cub/block/block_reduce.cuh>
-
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -57,15 +55,11 @@ struct LambMomentsOp {
       p_sq = fmaf(r[1], r[1], p_sq);
       u_sq = fmaf(u.v, u.v, u_sq);
     });
-    using Reduce = cub::BlockReduce<float, kBlockThreads>;
-    __shared__ typename Reduce::TempStorage storage;
-    const float p_total = Reduce(storage).Sum(p_sq);
-    __syncthreads();  // the temp storage is reused
-    const float u_total = Reduce(storage).Sum(u_sq);
+    lamb_block_totals<kBlockThreads>(p_sq, u_sq);
     if (threadIdx.x == 0) {
       const int slot = tensor_of(c) * max_chunks + static_cast<int>(c.begin / kChunkElems);
-      param_partials[slot] = p_total;
-      update_partials[slot] = u_total;
+      param_partials[slot] = p_sq;
+      update_partials[slot] = u_sq;
     }
   }
 };
@@ -76,20 +70,16 @@ constexpr int kFinalizeThreads = 256;
 __global__ void __launch_bounds__(kFinalizeThreads) lamb_norms_finalize(
     const float* param_partials, const float* update_partials, int max_chunks, float* param_norms,
     float* update_norms) {
-  using Reduce = cub::BlockReduce<float, kFinalizeThreads>;
-  __shared__ typename Reduce::TempStorage storage;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * max_chunks;
   float p = 0.0f, u = 0.0f;
   for (int i = threadIdx.x; i < max_chunks; i += kFinalizeThreads) {
     p += param_partials[row + i];
     u += update_partials[row + i];
   }
-  const float p_total = Reduce(storage).Sum(p);
-  __syncthreads();
-  const float u_total = Reduce(storage).Sum(u);
+  lamb_block_totals<kFinalizeThreads>(p, u);
   if (threadIdx.x == 0) {
-    param_norms[blockIdx.x] = sqrtf(p_total);
-    update_norms[blockIdx.x] = sqrtf(u_total);
+    param_norms[blockIdx.x] = sqrtf(p);
+    update_norms[blockIdx.x] = sqrtf(u);
   }
 }
 

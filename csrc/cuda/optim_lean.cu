@@ -40,8 +40,6 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
-#include <cub/block/block_reduce.cuh>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -704,15 +702,6 @@ __global__ void __launch_bounds__(kLeanThreads, kLeanMinBlocks)
   });
 }
 
-// The sum of v over the warp, in a fixed order; every lane gets it.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    v += __shfl_xor_sync(0xffffffffu, v, off);
-  }
-  return v;
-}
-
 // LAMB's lean stage 1 over one state block (the calling warp): the new moments
 // from the decoded ones and the update direction u (optim_math.h's
 // lamb_moments), and the block's sums of p^2 (when the trust ratio applies;
@@ -774,8 +763,6 @@ constexpr int kNormThreads = 256;
 __global__ void __launch_bounds__(kNormThreads)
     lamb_norms_finalize(const __grid_constant__ LeanLaunch<LambLeanHyper> a, float* param_norms,
                         float* update_norms) {
-  using Reduce = cub::BlockReduce<float, kNormThreads>;
-  __shared__ typename Reduce::TempStorage storage;
   const int k = static_cast<int>(blockIdx.x);
   const int64_t end = k + 1 < a.n ? a.t[k + 1].first_block : a.total_blocks;
   float p = 0.0f, u = 0.0f;
@@ -783,12 +770,10 @@ __global__ void __launch_bounds__(kNormThreads)
     p += a.h.sums[2 * b];
     u += a.h.sums[2 * b + 1];
   }
-  const float p_total = Reduce(storage).Sum(p);
-  __syncthreads();  // the temp storage is reused
-  const float u_total = Reduce(storage).Sum(u);
+  lamb_block_totals<kNormThreads>(p, u);
   if (threadIdx.x == 0) {
-    param_norms[a.t[k].index] = sqrtf(p_total);
-    update_norms[a.t[k].index] = sqrtf(u_total);
+    param_norms[a.t[k].index] = sqrtf(p);
+    update_norms[a.t[k].index] = sqrtf(u);
   }
 }
 

@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <cub/block/block_reduce.cuh>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -328,6 +330,19 @@ struct TrustRatio {
     return enabled && pn != 0.0f && un != 0.0f ? __fmul_rn(lr, __fdiv_rn(pn, un)) : lr;
   }
 };
+
+// LAMB's two sums of squares (p^2 and u^2) over the calling thread block of
+// kThreads threads, each a cub block reduction in its fixed order; valid in
+// thread 0. Once per block and call site: the temp storage is not guarded
+// against a next call.
+template <int kThreads>
+__device__ __forceinline__ void lamb_block_totals(float& p, float& u) {
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  p = Reduce(storage).Sum(p);
+  __syncthreads();  // the temp storage is reused
+  u = Reduce(storage).Sum(u);
+}
 
 // LAMB's global grad norm, checked: one float32 element on the call's device.
 inline const float* global_norm_ptr(const char* op, const at::Tensor& global_grad_norm,
