@@ -12,6 +12,16 @@ Every change is a recorded patch (:class:`~amp_patch.patching.patcher.Patcher`);
 :meth:`CudaOnCpu.uninstall` puts every patched attribute back, the very same
 object. A CUDA function the mapping has no CPU meaning for raises
 :class:`CudaNotMappedError`, which names it.
+
+**TorchScript.** ``torch.jit.script`` resolves a ``torch.*`` call by looking
+the Python object up in TorchScript's builtin table (``torch.jit._builtins``),
+keyed by ``id()``. A Python wrapper is not in it, so the compiler would try to
+compile the wrapper's source and fail on the builtin inside. Each wrapper that
+stands in for a builtin is therefore registered under the original's op for as
+long as the mapping is installed: scripted code calls torch's own op, and
+torch's own scripted modules (``torch.distributed.optim``) import. The device
+arguments inside scripted code are not mapped: a scripted
+``torch.zeros(2, device="cuda")`` still asks for a GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.jit._builtins as _jit_builtins
 
 import amp_patch
 from amp_patch.cpu_half import cpu_half_support
@@ -404,11 +415,13 @@ class CudaOnCpu:
         self._streams = [self.default_stream]
         self._patcher = Patcher()
         self._pickles_devices = False
+        # (id of a wrapper, the TorchScript op it was registered as): see the module's docstring.
+        self._jit_builtins: list[tuple[int, str]] = []
         self.targets: list[tuple[Any, str]] = []
 
     @property
     def installed(self) -> bool:
-        return len(self._patcher) > 0 or self._pickles_devices
+        return len(self._patcher) > 0 or self._pickles_devices or bool(self._jit_builtins)
 
     def __enter__(self) -> "CudaOnCpu":
         self.install()
@@ -438,6 +451,10 @@ class CudaOnCpu:
         self.targets = []
         self.index = 0
         self._streams = [self.default_stream]
+        # TorchScript fills its builtin table from torch's attributes the first time it is
+        # asked; filled while the wrappers are installed, it would hold the wrappers and miss
+        # torch's own functions for the rest of the process.
+        _jit_builtins._get_builtin_table()
         try:
             self._patch_tensors_and_modules()
             self._patch_devices()
@@ -453,6 +470,7 @@ class CudaOnCpu:
     def uninstall(self) -> None:
         """Restore every patched attribute (a no-op when not installed)."""
         try:
+            self._forget_jit_builtins()
             self._patcher.undo_all()
         finally:
             if self._pickles_devices:
@@ -463,8 +481,25 @@ class CudaOnCpu:
     def _patch(self, parent: Any, name: str, make: Callable[[Any], Any]) -> None:
         if self._patcher.patch(parent, name, make):
             self.targets.append((parent, name))
+            self._register_jit_builtin(self._patcher.records[-1].original, getattr(parent, name))
         else:
             logger.debug("amp-patch run --device cpu: %s has no %s in this torch", parent, name)
+
+    def _register_jit_builtin(self, original: Any, replacement: Any) -> None:
+        """Let TorchScript resolve ``replacement`` to the op of ``original``, if that is one."""
+        table = _jit_builtins._get_builtin_table()
+        op = table.get(id(original))
+        if op is None or id(replacement) in table:
+            return
+        _jit_builtins._register_builtin(replacement, op)
+        self._jit_builtins.append((id(replacement), op))
+
+    def _forget_jit_builtins(self) -> None:
+        table = _jit_builtins._get_builtin_table()
+        while self._jit_builtins:
+            key, op = self._jit_builtins.pop()
+            if table.get(key) == op:
+                del table[key]
 
     def _set(self, parent: Any, name: str, value: Any) -> None:
         self._patch(parent, name, lambda _original: value)

@@ -358,3 +358,153 @@ def test_run_usage_errors_exit_2(args, message, capsys, monkeypatch, tmp_path):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "usage: amp-patch run" in err
+
+
+#: One scripted call per remapped factory (``_factory_names``), ``x`` a 2x2 fp32 tensor and
+#: ``path`` a file of 16 bytes; docs/run.md, "TorchScript".
+SCRIPTED_FACTORIES = {
+    "arange": "torch.arange(4)",
+    "as_tensor": "torch.as_tensor([1.0, 2.0])",
+    "asarray": "torch.asarray(x)",
+    "bartlett_window": "torch.bartlett_window(4)",
+    "blackman_window": "torch.blackman_window(4)",
+    "empty": "torch.empty([2, 3])",
+    "empty_like": "torch.empty_like(x)",
+    "empty_permuted": "torch.empty_permuted([2, 3], [1, 0])",
+    "empty_quantized": "torch.empty_quantized([2], torch.quantize_per_tensor(x, 0.1, 0, "
+                       "torch.quint8))",
+    "empty_strided": "torch.empty_strided([2, 3], [3, 1])",
+    "eye": "torch.eye(3)",
+    "from_file": "torch.from_file(path, False, 4)",
+    "full": "torch.full([2, 2], 3.0)",
+    "full_like": "torch.full_like(x, 3.0)",
+    "hamming_window": "torch.hamming_window(4)",
+    "hann_window": "torch.hann_window(4)",
+    "kaiser_window": "torch.kaiser_window(4)",
+    "linspace": "torch.linspace(0.0, 1.0, 5)",
+    "logspace": "torch.logspace(0.0, 1.0, 5)",
+    "normal": "torch.normal(0.0, 1.0, [3])",
+    "ones": "torch.ones([2, 3])",
+    "ones_like": "torch.ones_like(x)",
+    "rand": "torch.rand([2, 3])",
+    "rand_like": "torch.rand_like(x)",
+    "randint": "torch.randint(0, 5, [3])",
+    "randint_like": "torch.randint_like(x, 5)",
+    "randn": "torch.randn([2, 3])",
+    "randn_like": "torch.randn_like(x)",
+    "randperm": "torch.randperm(5)",
+    "range": "torch.range(0.0, 3.0)",
+    "scalar_tensor": "torch.scalar_tensor(2.0)",
+    "sparse_bsc_tensor": "torch.sparse_bsc_tensor(torch.tensor([0, 1]), torch.tensor([0]), "
+                         "torch.ones([1, 2, 2]), [2, 2])",
+    "sparse_bsr_tensor": "torch.sparse_bsr_tensor(torch.tensor([0, 1]), torch.tensor([0]), "
+                         "torch.ones([1, 2, 2]), [2, 2])",
+    "sparse_compressed_tensor": "torch.sparse_compressed_tensor(torch.tensor([0, 1, 2]), "
+                                "torch.tensor([0, 1]), torch.tensor([1.0, 2.0]), [2, 2], "
+                                "layout=torch.sparse_csr)",
+    "sparse_coo_tensor": "torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), "
+                         "torch.tensor([1.0, 2.0]), [2, 2])",
+    "sparse_csc_tensor": "torch.sparse_csc_tensor(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), "
+                         "torch.tensor([1.0, 2.0]), [2, 2])",
+    "sparse_csr_tensor": "torch.sparse_csr_tensor(torch.tensor([0, 1, 2]), torch.tensor([0, 1]), "
+                         "torch.tensor([1.0, 2.0]), [2, 2])",
+    "tensor": "x + torch.tensor(1.0)",
+    "tril_indices": "torch.tril_indices(3, 3)",
+    "triu_indices": "torch.triu_indices(3, 3)",
+    "zeros": "torch.zeros([2, 3])",
+    "zeros_like": "torch.zeros_like(x)",
+}
+
+
+def _script_factory(name: str, path: str):
+    source = (f"def f(x: Tensor, path: str):\n"
+              f"    return {SCRIPTED_FACTORIES[name]}\n")
+    return torch.jit.CompilationUnit(source).f
+
+
+def _comparable(t: torch.Tensor, values: bool) -> tuple:
+    dense = t.dequantize() if t.is_quantized else t.to_dense() if t.layout != torch.strided else t
+    return (t.shape, t.dtype, t.layout, dense.tolist() if values else None)
+
+
+def test_torchscript_resolves_every_mapped_factory_to_torchs_op():
+    """Each factory's wrapper is found in TorchScript's builtin table under the original's op,
+    and only while the mapping is installed (docs/run.md, "TorchScript")."""
+    from amp_patch.cli.cuda_on_cpu import _factory_names
+    from torch.jit._builtins import _find_builtin
+
+    names = _factory_names()
+    assert set(names) <= set(SCRIPTED_FACTORIES), "a new factory needs a scripted call above"
+    originals = {n: getattr(torch, n) for n in names}
+    ops = {n: _find_builtin(f) for n, f in originals.items()}
+    assert all(ops.values())
+    with CudaOnCpu(torch.bfloat16):
+        wrappers = {n: getattr(torch, n) for n in names}
+        assert all(wrappers[n] is not originals[n] for n in names)
+        assert {n: _find_builtin(w) for n, w in wrappers.items()} == ops
+        assert _find_builtin(torch.device) == "aten::device"
+    assert {n: _find_builtin(f) for n, f in originals.items()} == ops
+    assert not any(_find_builtin(w) for w in wrappers.values())
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTED_FACTORIES))
+def test_scripted_factory_runs_under_the_mapping(name, tmp_path):
+    if not callable(getattr(torch, name, None)):
+        pytest.skip(f"torch.{name} is not in this torch")
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(16))
+    x = torch.arange(4.0).reshape(2, 2)
+    try:
+        torch.manual_seed(0)
+        expected = _script_factory(name, str(path))(x, str(path))
+    except Exception as exc:  # torch's own limit, not the mapping's
+        pytest.skip(f"TorchScript cannot script torch.{name} here: {type(exc).__name__}")
+    values = not name.startswith("empty")
+    with CudaOnCpu(torch.bfloat16):
+        torch.manual_seed(0)
+        got = _script_factory(name, str(path))(x, str(path))
+    assert _comparable(got, values) == _comparable(expected, values)
+
+
+def test_script_and_trace_under_the_mapping():
+    """``torch.jit.script`` and ``torch.jit.trace`` of code that calls mapped factories."""
+    with CudaOnCpu(torch.bfloat16):
+        @torch.jit.script
+        def shift(x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tensor(1.0) + torch.zeros_like(x)
+
+        class Net(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = torch.nn.Linear(2, 2)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.lin(x) + torch.ones(2, device=x.device)
+
+        net = Net().cuda()
+        scripted = torch.jit.script(net)
+        x = torch.randn(3, 2, device="cuda")
+        traced = torch.jit.trace(net, (x,))
+        assert torch.equal(shift(torch.ones(2)), torch.full((2,), 2.0))
+        assert torch.equal(scripted(x), net(x)) and torch.equal(traced(x), net(x))
+    # Compiled under the mapping, they keep working without it.
+    assert torch.equal(shift(torch.ones(2)), torch.full((2,), 2.0))
+    assert torch.equal(scripted(x), net(x))
+
+
+@pytest.mark.slow
+def test_cli_torchscript_and_torch_distributed_optim(tmp_path):
+    """torch's own scripted modules import, and a script's scripted function runs."""
+    (tmp_path / "t.py").write_text(textwrap.dedent("""
+        import torch
+        import torch.distributed.optim
+
+        @torch.jit.script
+        def f(x):
+            return x + torch.tensor(1.0)
+
+        print("ok", f(torch.ones(2, device="cuda")).tolist())
+    """))
+    proc = _run_cli(tmp_path, "--device", "cpu", "t.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "ok [2.0, 2.0]" in proc.stdout
