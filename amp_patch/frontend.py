@@ -18,7 +18,7 @@ from amp_patch import (
     ops as _ops,
     session as _session,
 )
-from amp_patch.amp_optimizer import OPTIMIZER_TYPES, underlying_optimizer
+from amp_patch.amp_optimizer import OPTIMIZER_TYPES, stash as _stash, underlying_optimizer
 from amp_patch.distributed import (
     agree as _agree,
     debug as _debug,
@@ -127,7 +127,9 @@ def initialize(
             ``keep_batchnorm_fp32`` with a batch norm in a mixed FSDP group.
         TypeError: a model or optimizer of the wrong type (a tuple where a
             list is expected, a wrapped model).
-        RuntimeError: a session is already live; call :func:`deinitialize` first.
+        RuntimeError: an optimizer already went through initialize (it carries
+            Apex's marker ``_amp_stash``; Apex's message), or a session is already
+            live; call :func:`deinitialize` first.
 
     Example::
 
@@ -145,6 +147,12 @@ def initialize(
         opt_list, opts_listed = _as_list(optimizers, OPTIMIZER_TYPES, "optimizers")
     _check_models(model_list)
     _check_optimizers(opt_list)
+    # A second initialize is named before anything it would trip over: at O2 the optimizer
+    # would step masters that belong to none of the models, and say only that.
+    live = _session.current()
+    _stash.check_not_stashed(opt_list, underlying_optimizer,
+                             live.optimizers if live is not None else [])
+    _session.check_none_live()
 
     props = Properties.from_opt_level(
         opt_level,
@@ -185,6 +193,10 @@ def initialize(
         session.commit()
         _logging.logger.info("%s", props.describe())
     else:
+        # Apex's marker all the same: a trainer that initializes while the optimizer has none
+        # must not call initialize again at every iteration.
+        for optimizer in opt_list:
+            _stash.install(optimizer, None, session.on_close)
         _logging.logger.info(
             "amp_patch is disabled (enabled=False): models and optimizers unchanged")
 
@@ -209,9 +221,10 @@ def _build(session: _session.AmpSession) -> None:
         if session.sharding is not None:
             _regather.install(session.casts, session.sharding.states, session.on_close)
     for optimizer in session.optimizers:
-        session.optimizer_records[id(optimizer)] = _optim.process(
-            optimizer, props.master_dtype, session.on_close, disable_casts,
-            optimizer_state=props.optimizer_state)
+        record = _optim.process(optimizer, props.master_dtype, session.on_close, disable_casts,
+                                optimizer_state=props.optimizer_state)
+        session.optimizer_records[id(optimizer)] = record
+        _stash.install(optimizer, record, session.on_close)
     session.scalers = [AmpScaler.from_properties(props, loss_id=i)
                        for i in range(props.num_losses)]
     _debug.install(session)

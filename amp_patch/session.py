@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from amp_patch.properties import Properties
     from amp_patch.scaler import AmpScaler
 
-__all__ = ["AmpSession", "current", "require", "activate", "reset"]
+__all__ = ["AmpSession", "current", "require", "activate", "check_none_live", "reset"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -209,12 +209,21 @@ def activate(session: AmpSession) -> None:
         RuntimeError: if another session is live.
     """
     global _current
+    check_none_live()
+    _current = session
+
+
+def check_none_live() -> None:
+    """Raise if a session is live: ``initialize`` checks this before anything else it checks.
+
+    Raises:
+        RuntimeError: if a session is live.
+    """
     if _current is not None:
         raise RuntimeError(
             "amp_patch.initialize() was already called and is still in effect; call "
             "amp_patch.deinitialize() before initializing again"
         )
-    _current = session
 
 
 def reset(abort: bool = False) -> None:
