@@ -2,7 +2,8 @@
 # Everything a GPU session needs, in one call on a machine with a CUDA GPU and
 # a CUDA build of torch in `python3` (plus nvcc, ninja, pytest, hypothesis):
 # build amp_patch with its CUDA kernels, run the CUDA cases of the test suite,
-# the kernel and optimizer benchmarks, O2 training with lean optimizer state
+# GPU-filling models at O0-O3 against autocast (bench_gpu_models, right after the
+# build), the kernel and optimizer benchmarks, O2 training with lean optimizer state
 # (bench_lean_state), and O0-O3 training on CUDA in fp16 with loss scaling
 # (bench_e2e, amp-patch compare).
 #
@@ -11,10 +12,12 @@
 #   STEPS="install pytest" bash benchmarks/gpu_session.sh   # only these steps
 #   PYTEST_K="lean" PYTEST_MARK="" bash benchmarks/gpu_session.sh   # pytest -k, -m (default: "cuda or ops", "not slow")
 #
-# Device time is short, so the run keeps to BUDGET seconds (default 480): each
+# Device time is short, so the run keeps to BUDGET seconds (default 480, 8 minutes): each
 # step gets at most its own cap and what is left of the budget, and a step
-# that runs out is stopped and counted as failed. Every step runs even if an
-# earlier one failed (except the build); the exit status is non-zero if any
+# that runs out is stopped and counted as failed. The caps add up to more than
+# the budget: the build, gpu_models and the tests come first, and the later
+# benchmarks run as far as the budget reaches (STEPS picks them for a second
+# call). Every step runs even if an earlier one failed (except the build); the exit status is non-zero if any
 # failed. Logs, one per step, go to $OUT/logs.tgz with docs/benchmarks.md and
 # a summary beside it ($OUT defaults to out/gpu_session).
 set -uo pipefail
@@ -27,7 +30,7 @@ export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 BUDGET=${BUDGET:-480}
-STEPS=${STEPS:-"env install resources kernels pytest optimizers lean e2e compare"}
+STEPS=${STEPS:-"env install gpu_models resources kernels pytest optimizers lean e2e compare"}
 START=$SECONDS
 failed=()
 summary=()
@@ -88,6 +91,12 @@ step install 300 env AMP_PATCH_BUILD_EXT=1 python3 -m pip install -v --no-deps -
 if [[ " ${failed[*]} " == *" install "* ]]; then
   finish
 fi
+# GPU-filling models first, as what no CPU can say (bench_gpu_models.py: GPT-2-small and
+# ResNet-50 at O0-O3, autocast and fp32 with TF32; targets G1, G2, M1). Trimmed to fit the
+# lease: 3 warm-up and 6 timed steps a row, fp32 only with TF32, GPT-2 in fp16 and bf16,
+# ResNet-50 in fp16 only (14 rows, each a fresh process; estimated, not yet timed on a GPU: 5-10 s a row).
+step gpu_models 150 python3 benchmarks/bench_gpu_models.py --device cuda --warmup 3 --steps 6 \
+  --grid gpt2:fp16 gpt2:bf16 resnet50:fp16
 if command -v cuobjdump >/dev/null; then
   step resources 20 cuobjdump --dump-resource-usage "$(python3 -c 'import amp_patch._C as m; print(m.__file__)')"
 fi
