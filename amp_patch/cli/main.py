@@ -30,7 +30,8 @@ examples:
 
 #: The benchmark scripts, in the order `bench` runs them; missing ones are skipped.
 BENCHMARKS = (
-    "bench_kernels.py", "bench_optimizers.py", "bench_overhead.py", "bench_compile.py",
+    "bench_kernels.py", "bench_optimizers.py", "bench_overhead.py", "bench_host_bound.py",
+    "bench_compile.py",
     "bench_o2_step.py", "bench_cpu_half.py", "bench_e2e.py", "bench_lean_state.py",
     "bench_compare_repeat.py", "bench_gloo_exit.py",
 )

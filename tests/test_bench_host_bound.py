@@ -1,0 +1,74 @@
+"""benchmarks/bench_host_bound.py: its op count, its ratios, and the script end to end.
+
+The host-bound proxy (H2 in docs/design.md) is a benchmark, not a timed test:
+these check that it counts and divides what it says, and that it runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _load():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host_bound.py"
+    spec = importlib.util.spec_from_file_location("bench_host_bound", path)
+    module = importlib.util.module_from_spec(spec)
+    # Registered under its own name: its dataclasses, and the rows' spawned processes, look
+    # the module up by it.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+
+
+def test_op_counter_counts_dispatched_ops_and_casts_by_phase():
+    x = torch.randn(4, 4)
+    counter = bench.OpCounter()
+    with counter:
+        y = x.to(torch.bfloat16)
+        counter.phase = "backward"
+        (y + y).float()
+    assert counter.ops["_to_copy"] == 2 and counter.ops["add"] == 1
+    assert dict(counter.casts) == {"forward": 1, "backward": 1}
+
+
+@pytest.mark.parametrize("row", bench.ROWS)
+def test_each_row_counts_a_whole_step(row):
+    """Every row trains in process; its count includes the optimizer step's own op."""
+    run = bench._Row(row)
+    try:
+        counts = run.count()
+        fused_step = "_fused_adamw_" if row in ("O1", "autocast", "autocast-AA", "bf16") else None
+        assert counts["ops"] == sum(counts["by_op"].values()) > 100
+        if fused_step:
+            assert counts["by_op"][fused_step] == 1
+        assert run.timed(2) > 0
+    finally:
+        import amp_patch
+
+        amp_patch.deinitialize()
+
+
+def test_ratio_is_the_median_of_per_round_ratios():
+    records = {"autocast": bench.RowRecord("autocast", seconds=[1.0, 2.0, 1.0]),
+               "O1": bench.RowRecord("O1", seconds=[1.1, 1.8, 3.0])}
+    # Per round: 1.1, 0.9, 3.0; a ratio of medians would be 1.8 / 1.0.
+    assert bench.ratio_to_anchor(records, "O1") == pytest.approx(1.1)
+
+
+@pytest.mark.slow
+def test_script_writes_its_section(tmp_path, monkeypatch):
+    report = tmp_path / "benchmarks.md"
+    monkeypatch.setenv("AMP_PATCH_BENCH_REPORT", str(report))
+    assert bench.main(["--rounds", "2", "--steps", "1", "--warmup", "1",
+                       "--rows", "O1", "autocast-AA"]) == 0
+    text = report.read_text()
+    assert "<!-- section:host-bound -->" in text
+    assert "A/A control" in text and "| O1 | <= 1.00x |" in text
