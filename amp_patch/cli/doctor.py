@@ -123,6 +123,19 @@ def families(device_types: list[str] | None = None) -> list[tuple[str, str]]:
     return out
 
 
+def _autocast() -> str:
+    """What torch.autocast costs in bf16 (the CPU's half type) on this CPU: its host kind and the
+    probe's factor, worded where ``compare`` words it, and whether ``compare`` runs it."""
+    from amp_patch.cli.host_facts import AUTOCAST_FACTOR_LIMIT, HostFacts, autocast_cost
+
+    cost = autocast_cost(HostFacts.collect("cpu"), "bf16")
+    if cost is None:  # only a device other than the CPU has no answer
+        return "unknown"
+    verdict = ("compare runs it" if cost.included else
+               f"compare leaves it out (its limit: {AUTOCAST_FACTOR_LIMIT:g}x fp32's time)")
+    return f"bf16: {cost.describe()}; {verdict}"
+
+
 def _import_hook() -> str:
     from amp_patch.apex_compat.import_hook import ApexFinder
 
@@ -168,6 +181,7 @@ def report() -> str:
         ("CUDA", _cuda()),
         ("compiler", _compiler()),
         ("CPU half", cpu_half_support().describe()),
+        ("autocast", _autocast()),
         ("kernels", kernels),
         *families(),
         ("JIT cache",

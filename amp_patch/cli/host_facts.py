@@ -40,7 +40,9 @@ __all__ = [
     "oversubscribed",
     "cpu_half_banner",
     "cpu_half_plan",
-    "autocast_is_slow",
+    "AUTOCAST_FACTOR_LIMIT",
+    "AutocastCost",
+    "autocast_cost",
 ]
 
 #: The 1-minute load average per usable CPU before the run above which the machine is busy. (After
@@ -297,18 +299,23 @@ def cpu_half_banner(facts: HostFacts, half_dtype: str) -> str | None:
     that note: :func:`amp_patch.cpu_half.banner` for the run's half type and
     ``cpu_half_compute="auto"`` (what the levels use), which says whether the
     half matmuls ran natively or emulated, on what host, and why CPU speed
-    ratios do not predict GPU speed.
+    ratios do not predict GPU speed; on a host without native half, a fourth
+    line says what ``torch.autocast`` costs there (:meth:`AutocastCost.describe`).
 
     Args:
         facts (HostFacts): the host.
         half_dtype (str): ``"bf16"`` or ``"fp16"``.
 
     Returns:
-        str or None: the note, three lines.
+        str or None: the note, three or four lines.
     """
     if not facts.device.startswith("cpu"):
         return None
-    return cpu_half.banner(HALF_DTYPE_NAMES[half_dtype], "auto")
+    text = cpu_half.banner(HALF_DTYPE_NAMES[half_dtype], "auto")
+    cost = autocast_cost(facts, half_dtype)
+    if cost is not None and cost.kind != "native":
+        text += f"\n{cost.describe()}."
+    return text
 
 
 def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
@@ -322,13 +329,112 @@ def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
     return cpu_half.plan("auto", HALF_DTYPE_NAMES[half_dtype]).as_dict()
 
 
-def autocast_is_slow(facts: HostFacts, half_dtype: str) -> bool:
-    """True when ``torch.autocast`` would run its half matmuls on a slow path here.
+#: The most times fp32's matmul time that torch.autocast's half matmuls may take on this host for
+#: ``compare`` to run it among its default levels. autocast's step time over O0's is at most about
+#: that factor (only its matmuls and convolutions run in half); on a conv-only host (about 2.8x
+#: on a real one, 4.8x forced on a native one) ``make demo`` then stays within 90 s
+#: (docs/benchmarks.md, section demo-hosts). On a host without oneDNN's half support the factor
+#: is 100 or more, and the run would take many minutes.
+AUTOCAST_FACTOR_LIMIT = 8.0
 
-    amp_patch emulates half matmuls only for its own levels; ``torch.autocast``
-    is torch's, so on a CPU without native half it runs many times slower
-    than fp32.
+
+@dataclass(frozen=True)
+class AutocastCost:
+    """What ``torch.autocast`` costs on this CPU, and whether ``compare`` runs it by default.
+
+    amp_patch emulates half matmuls for its own levels on a host without
+    native ones (:mod:`amp_patch.cpu_half`); ``torch.autocast`` is torch's, so it
+    runs them as the host does. This is the one place that words that cost,
+    for ``compare`` (its notes, the table's caption), the banner and ``doctor``.
+
+    Attributes:
+        half_dtype (str): ``"bf16"`` or ``"fp16"``.
+        kind (str): the host kind for that dtype
+            (:data:`amp_patch.cpu_half.HOST_KINDS`).
+        factor (float or None): the detection probe's half matmul time over
+            fp32's; None where it was not measured (oneDNN has no support, or
+            the answer was forced).
+
+    Example::
+
+        >>> cost = AutocastCost("bf16", "conv-only", 4.8)  # as autocast_cost gives on one
+        >>> cost.included
+        True
+        >>> cost.describe()  # doctest: +ELLIPSIS
+        "torch.autocast's bf16 matmuls take 4.8x fp32's time on this host (kind conv-only: ..."
+        >>> AutocastCost("bf16", "none", None).included
+        False
+    """
+
+    half_dtype: str
+    kind: str
+    factor: float | None
+
+    @property
+    def included(self) -> bool:
+        """True when ``compare`` runs torch.autocast among its default levels here: wherever its
+        half matmuls run natively, or at most :data:`AUTOCAST_FACTOR_LIMIT` times fp32's time."""
+        if self.kind == "native":
+            return True
+        return self.factor is not None and self.factor <= AUTOCAST_FACTOR_LIMIT
+
+    def describe(self) -> str:
+        """One sentence: how torch.autocast computes in half on this host, with the measured factor.
+        """
+        h = self.half_dtype
+        if self.kind == "native":
+            measured = (f" (the probe: {self.factor:.1f}x fp32's time on one thread)"
+                        if self.factor is not None else "")
+            return f"torch.autocast runs its {h} matmuls natively on this CPU{measured}"
+        if self.factor is not None:
+            return (f"torch.autocast's {h} matmuls take {self.factor:.1f}x fp32's time on this "
+                    f"host (kind {self.kind}: measured here; oneDNN emulates {h}), and amp_patch "
+                    "does not emulate them for it, since autocast is torch's own: expect its "
+                    f"steps to take up to about {self.factor:.1f}x O0's")
+        why = (f"oneDNN has no {h} support on this CPU" if self.kind == "none"
+               else f"this CPU's {h} is forced not native")
+        return (f"torch.autocast's {h} matmuls take ATen's slow path on this host (kind "
+                f"{self.kind}: {why}), tens to hundreds of times fp32's time (docs/compare.md), "
+                "and amp_patch does not emulate them for it, since autocast is torch's own")
+
+    def label(self) -> str | None:
+        """The table caption's line on an autocast row that ran here; None on a native host."""
+        if self.kind == "native":
+            return None
+        cost = (f"at {self.factor:.1f}x fp32's time" if self.factor is not None
+                else "on ATen's slow path (tens to hundreds of times fp32's time)")
+        return (f"autocast: torch's own, not emulated: its {self.half_dtype} matmuls ran {cost} "
+                f"on this host (kind {self.kind}), so its speed-up is this CPU's, not a GPU's")
+
+    def note(self) -> str | None:
+        """``compare``'s note where it leaves torch.autocast out of its default levels; None where
+        it runs it (:attr:`included`)."""
+        if self.included:
+            return None
+        return (f"torch.autocast is left out: {self.describe()}. Name it in --levels to run it "
+                "anyway.")
+
+
+def autocast_cost(facts: HostFacts, half_dtype: str) -> AutocastCost | None:
+    """What ``torch.autocast`` in ``half_dtype`` costs on the measured host; None off the CPU.
+
+    It reads the host's detection as recorded in ``facts`` (the same answer
+    that decided the levels' emulation), so a test can rebuild it from a
+    run's JSON.
+
+    Args:
+        facts (HostFacts): the host.
+        half_dtype (str): ``"bf16"`` or ``"fp16"``.
+
+    Example::
+
+        >>> cost = autocast_cost(HostFacts.collect("cpu"), "bf16")
+        >>> cost.kind in amp_patch.cpu_half.HOST_KINDS
+        True
     """
     if not facts.device.startswith("cpu") or facts.cpu_half is None:
-        return False
-    return not facts.cpu_half[half_dtype]["native"]
+        return None
+    d = facts.cpu_half[half_dtype]
+    kind = d.get("kind") or cpu_half.DtypeSupport(
+        d["onednn"], d["matmul"], d["conv"], d["matmul_ratio"], d["conv_ratio"]).kind
+    return AutocastCost(half_dtype, kind, d["matmul_ratio"])

@@ -28,6 +28,8 @@ host's answer), :mod:`~amp_patch.cpu_half.session_plan` (what a session does, an
 
 from amp_patch.cpu_half.detect import (
     ENV_VAR,
+    FORCED_KIND_ENV,
+    HOST_KINDS,
     PROBE_RATIO_LIMIT,
     CpuHalfSupport,
     DtypeSupport,
@@ -46,6 +48,8 @@ from amp_patch.properties import (
 __all__ = [
     "MODES",
     "ENV_VAR",
+    "HOST_KINDS",
+    "FORCED_KIND_ENV",
     "PROBE_RATIO_LIMIT",
     "DtypeSupport",
     "CpuHalfSupport",

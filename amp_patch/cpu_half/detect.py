@@ -36,6 +36,23 @@ ENV_VAR = "AMP_PATCH_CPU_HALF_NATIVE"
 #: numerics of a run, does not change from one process to the next.
 PROBE_RATIO_LIMIT = 2.5
 
+#: The kinds of CPU host for one half dtype, best first (docs/install.md, "CPU host kinds"):
+#: ``"native"``, matmul and convolution at native speed (avx512_bf16, AMX); ``"conv-only"``,
+#: oneDNN supports the dtype but emulates its matmuls at a measured 2-5x fp32's time (AVX-512
+#: without avx512_bf16; its convolutions may stay near fp32's speed); ``"none"``, oneDNN has no
+#: support and the dtype's matmuls take ATen's slow path, 100x fp32's time or more (AVX2 only).
+HOST_KINDS = ("native", "conv-only", "none")
+
+#: The environment that makes a host of a better kind behave as each kind: oneDNN's and ATen's
+#: ISA caps, which they read once at start-up, so they go into a new process's environment
+#: (``make test-hosts``, the demo's timings). They only lower a host: on an AVX2 host every
+#: entry gives ``"none"``. ``"native"`` is the host as it is.
+FORCED_KIND_ENV: dict[str, dict[str, str]] = {
+    "native": {},
+    "conv-only": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "none": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+}
+
 _ONEDNN_CHECKS = {torch.bfloat16: "_is_mkldnn_bf16_supported",
                   torch.float16: "_is_mkldnn_fp16_supported"}
 #: The host flags that decide half speed, as /proc/cpuinfo spells them (x86, then Arm).
@@ -62,6 +79,20 @@ class DtypeSupport:
     conv: bool
     matmul_ratio: float | None = None
     conv_ratio: float | None = None
+
+    @property
+    def kind(self) -> str:
+        """The host kind for this dtype, one of :data:`HOST_KINDS`.
+
+        ``"native"`` when matmul and convolution are both native;
+        ``"conv-only"`` when oneDNN supports the dtype but the probe found it
+        slower than native (oneDNN emulates it: its matmuls take
+        :attr:`matmul_ratio` times fp32's time); ``"none"`` when oneDNN does
+        not support it, or when a forced answer says not native.
+        """
+        if self.matmul and self.conv:
+            return "native"
+        return "conv-only" if self.onednn else "none"
 
 
 @dataclass(frozen=True)
@@ -140,7 +171,8 @@ class CpuHalfSupport:
                                "flags": None if self.flags is None else list(self.flags),
                                "host": self.host(), "source": self.source}
         for name, dtype in HALF_DTYPE_NAMES.items():
-            out[name] = dict(dataclasses.asdict(self.of(dtype)), native=self.native(dtype))
+            s = self.of(dtype)
+            out[name] = dict(dataclasses.asdict(s), native=self.native(dtype), kind=s.kind)
         return out
 
 
@@ -151,6 +183,8 @@ def _describe_dtype(s: DtypeSupport) -> str:
         verdict = "native for " + ("matmul" if s.matmul else "convolution") + " only"
     else:
         verdict = "not native"
+    if s.kind != "native":
+        verdict += f", host kind {s.kind}"
     why = []
     if s.onednn is not None:
         why.append(f"oneDNN {'yes' if s.onednn else 'no'}")
@@ -189,8 +223,11 @@ def cpu_half_support() -> CpuHalfSupport:
 
     Example::
 
-        >>> amp.cpu_half_support().native(torch.float16)
-        False
+        >>> s = amp.cpu_half_support()
+        >>> s.bfloat16.kind in HOST_KINDS  # "native" with avx512_bf16 or AMX
+        True
+        >>> s.native(torch.float16) == (s.float16.kind == "native")
+        True
     """
     global _detected
     if _overrides:
@@ -205,18 +242,20 @@ def cpu_half_support() -> CpuHalfSupport:
 
 
 @contextlib.contextmanager
-def override(*, bfloat16: bool | None = None,
-             float16: bool | None = None) -> Iterator[CpuHalfSupport]:
+def override(*, bfloat16: bool | DtypeSupport | None = None,
+             float16: bool | DtypeSupport | None = None) -> Iterator[CpuHalfSupport]:
     """Force :func:`cpu_half_support`'s answer inside the block (nestable).
 
     A dtype given as True is treated as native for matmul and convolution,
-    False as not native; None keeps the detected answer (or the enclosing
-    override's). What a session emulates is decided at
-    :func:`amp_patch.initialize`, so the block needs to hold only that call.
+    False as not native; a :class:`DtypeSupport` is taken as it is (a
+    conv-only host's answer, say, with its probe's ratios); None keeps the
+    detected answer (or the enclosing override's). What a session emulates
+    is decided at :func:`amp_patch.initialize`, so the block needs to hold
+    only that call.
 
     Args:
-        bfloat16 (bool, optional): bf16 is native. Default: keep.
-        float16 (bool, optional): fp16 is native. Default: keep.
+        bfloat16 (bool or DtypeSupport, optional): bf16's answer. Default: keep.
+        float16 (bool or DtypeSupport, optional): fp16's answer. Default: keep.
 
     Yields:
         CpuHalfSupport: the forced answer.
@@ -239,7 +278,9 @@ def override(*, bfloat16: bool | None = None,
         _overrides.remove(forced)
 
 
-def _forced(native: bool) -> DtypeSupport:
+def _forced(native: bool | DtypeSupport) -> DtypeSupport:
+    if isinstance(native, DtypeSupport):
+        return native
     return DtypeSupport(onednn=None, matmul=bool(native), conv=bool(native))
 
 

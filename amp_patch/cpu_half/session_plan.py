@@ -111,7 +111,9 @@ def plan(cpu_half_compute: str = "auto", half_dtype: torch.dtype = torch.bfloat1
 
     Example::
 
-        >>> amp_patch.cpu_half.plan("auto", torch.float16).mode    # on a host without avx512_fp16
+        >>> from amp_patch.cpu_half import override
+        >>> with override(float16=False):  # as on a host without avx512_fp16
+        ...     amp_patch.cpu_half.plan("auto", torch.float16).mode
         'emulate'
     """
     check_mode(cpu_half_compute)

@@ -19,7 +19,7 @@ import torch
 
 from rich.console import Console
 
-from amp_patch import levels
+from amp_patch import cpu_half, levels
 from amp_patch.cli import compare, host_facts, data_parallel, round_robin, trainer
 from amp_patch.cli.compare import command
 from amp_patch.cli.compare import results as compare_results
@@ -46,8 +46,12 @@ def test_compare_all_levels_json_png_table(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((out / "results.json").read_text())
     assert data["config"]["half_dtype"] == "bf16" and data["config"]["steps"] == 5
-    # Apex's levels, the lean preset (mlp builds FusedAdam for it), then torch.autocast.
-    assert list(data["levels"]) == [*levels.NAMES, "O2-lean", "autocast"]
+    # Apex's levels, the lean preset (mlp builds FusedAdam for it), then torch.autocast where
+    # the host's detection, as the run recorded it, lets it finish in time (docs/compare.md).
+    host = host_facts.HostFacts(**data["machine"])
+    cost = host_facts.autocast_cost(host, "bf16")
+    assert list(data["levels"]) == [*levels.NAMES, "O2-lean",
+                                    *(["autocast"] if cost.included else [])]
     assert list(trainer.PRESETS) == ["O2-lean"]
     assert data["config"]["presets"] == {
         "O2-lean": {"opt_level": "O2", "optimizer_state": "int8", "master_weights": "bf16"}}
@@ -80,10 +84,15 @@ def test_compare_all_levels_json_png_table(tmp_path):
     assert isinstance(data["warnings"], list)
     assert (out / "compare.png").read_bytes()[:8] == PNG_MAGIC
     table = (out / "table.txt").read_text()
-    for word in ("O0", "O1", "O2", "O3", "O2-lean", "autocast", "steps/s", "speed-up", "peak mem",
-                 "skipped", "load average", "bf16 native", "timed rounds",
+    verdict = "bf16 native" if machine["cpu_half"]["bf16"]["native"] else "bf16 not native"
+    for word in ("O0", "O1", "O2", "O3", "O2-lean", "steps/s", "speed-up", "peak mem",
+                 "skipped", "load average", verdict, "timed rounds",
                  "O2-lean: O2 with block-scaled int8 optimizer state"):
         assert word in table
+    assert ("autocast" in table) == cost.included
+    # Where autocast ran at a cost, its caption line says the measured factor.
+    assert ("autocast: torch's own, not emulated" in table) == (cost.included
+                                                               and cost.kind != "native")
 
 
 FACTORY = """
@@ -134,26 +143,59 @@ class _Levels(Exception):
     pass
 
 
-@pytest.mark.parametrize("native, args, autocast", [
-    ("bf16", [], True),
-    ("none", [], False),
-    ("none", ["--levels", "O0", "autocast"], True),
+#: One answer per host kind (docs/install.md, "CPU host kinds"), as the detection gives it: a
+#: native host, the conv-only host of docs/install.md (2.8x), one whose emulation is too slow for
+#: the run, and one where oneDNN has no bf16.
+KIND_ANSWERS = {
+    "native": cpu_half.DtypeSupport(True, True, True, matmul_ratio=0.5, conv_ratio=0.6),
+    "conv-only": cpu_half.DtypeSupport(True, False, True, matmul_ratio=2.8, conv_ratio=1.9),
+    "conv-only-slow": cpu_half.DtypeSupport(True, False, False, matmul_ratio=9.5, conv_ratio=6.0),
+    "none": cpu_half.DtypeSupport(False, False, False),
+}
+
+
+@pytest.mark.parametrize("answer, args, autocast, says", [
+    ("native", [], True, None),
+    ("conv-only", [], True, "take 2.8x fp32's time"),
+    ("conv-only-slow", [], False, "take 9.5x fp32's time"),
+    ("none", [], False, "ATen's slow path"),
+    ("none", ["--levels", "O0", "autocast"], True, "ATen's slow path"),
 ])
-def test_compare_leaves_autocast_out_without_native_half(native, args, autocast, monkeypatch,
-                                                         capsys):
-    """amp_patch emulates its own levels on such a CPU; torch.autocast it cannot."""
-    monkeypatch.setenv("AMP_PATCH_CPU_HALF_NATIVE", native)
+def test_compare_includes_autocast_where_it_can_finish(answer, args, autocast, says,
+                                                       monkeypatch, capsys):
+    """amp_patch emulates its own levels on a host without native half; torch.autocast it
+    cannot, so compare runs it by default where its measured cost fits, and says that cost."""
+    def stop(job, levels, *rest):
+        raise _Levels(levels)
+
+    monkeypatch.setattr(command, "run_compare", stop)
+    with cpu_half.override(bfloat16=KIND_ANSWERS[answer]):
+        with pytest.raises(_Levels) as exc:
+            cli_main.main(["compare", "--model", "mlp", "--device", "cpu", *args])
+        cost = host_facts.autocast_cost(host_facts.HostFacts.collect("cpu"), "bf16")
+    assert ("autocast" in exc.value.args[0]) == autocast
+    assert cost.included == (autocast and not args)
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert ("torch.autocast is left out" in out) == (not autocast)
+    assert "CPU half compute:" in out and "many times" not in out
+    if says is None:
+        assert "torch.autocast's" not in out
+    else:
+        assert says in out
+
+
+def test_compare_leaves_autocast_out_when_forced_not_native(monkeypatch, capsys):
+    """AMP_PATCH_CPU_HALF_NATIVE=none forces the none kind: nothing was measured."""
+    monkeypatch.setenv("AMP_PATCH_CPU_HALF_NATIVE", "none")
 
     def stop(job, levels, *rest):
         raise _Levels(levels)
 
     monkeypatch.setattr(command, "run_compare", stop)
     with pytest.raises(_Levels) as exc:
-        cli_main.main(["compare", "--model", "mlp", "--device", "cpu", *args])
-    assert ("autocast" in exc.value.args[0]) == autocast
-    out = capsys.readouterr().out
-    assert ("torch.autocast is left out" in out) == (not autocast)
-    assert "CPU half compute:" in out
+        cli_main.main(["compare", "--model", "mlp", "--device", "cpu"])
+    assert "autocast" not in exc.value.args[0]
+    assert "torch.autocast is left out" in capsys.readouterr().out
 
 
 def test_compare_failing_level_exits_nonzero_and_shows_error(tmp_path):
@@ -498,6 +540,27 @@ def test_rank_peaks_in_the_result_and_the_table():
     text = buf.getvalue()
     assert "per rank" in text and "3/5 MiB" in text and "5 MiB" in text
     assert "each level over 2 ranks (DistributedDataParallel)" in text
+
+
+@pytest.mark.parametrize("answer", list(KIND_ANSWERS))
+def test_table_labels_autocast_with_its_cost_on_the_host(answer):
+    """The autocast row's caption line names what it cost, from the same answer as the run."""
+    record = round_robin.LevelRecord("autocast", round_steps=[1, 1], round_seconds=[1.0, 1.0],
+                                     round_peak_bytes=[2**20, 2**20], losses=[1.0, 0.5])
+    with cpu_half.override(bfloat16=KIND_ANSWERS[answer]):
+        host = host_facts.HostFacts.collect("cpu")
+    comparison = compare.Comparison([compare.LevelResult.from_record(record)], host,
+                                    host_facts.LoadMonitor(), [1, 1])
+    buf = io.StringIO()
+    Console(file=buf, width=400, color_system=None).print(compare.render_table(comparison, "t"))
+    text = " ".join(buf.getvalue().split())
+    factor = KIND_ANSWERS[answer].matmul_ratio
+    if answer == "native":
+        assert "not emulated" not in text
+    elif factor is not None:
+        assert f"its bf16 matmuls ran at {factor:.1f}x fp32's time on this host" in text
+    else:
+        assert "its bf16 matmuls ran on ATen's slow path" in text
 
 
 RANK_FAILURE = """

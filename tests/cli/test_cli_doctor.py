@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from amp_patch import _native, ops
+from amp_patch import _native, cpu_half, ops
 from amp_patch.apex_compat.import_hook import apex_import_hook
 from amp_patch.cli import doctor
 from amp_patch.cli.main import main
@@ -56,3 +57,18 @@ def test_doctor_names_the_reference_ops_and_why():
     assert rows["fused optimizers"].startswith("cpu: reference")
     assert rows["O1 wrappers"].startswith("Python")
     assert "AMP_PATCH_NO_EXT=1" in rows["environment"]
+
+
+@pytest.mark.parametrize("answer, says, runs", [
+    (cpu_half.DtypeSupport(True, True, True, 0.5, 0.6), "runs its bf16 matmuls natively", True),
+    (cpu_half.DtypeSupport(True, False, True, 2.8, 1.9), "take 2.8x fp32's time on this host "
+                                                         "(kind conv-only", True),
+    (cpu_half.DtypeSupport(False, False, False), "ATen's slow path on this host (kind none", False),
+], ids=["native", "conv-only", "none"])
+def test_doctor_says_what_autocast_costs_on_each_host_kind(answer, says, runs):
+    """The same wording and decision as compare's, from the same detection."""
+    with cpu_half.override(bfloat16=answer):
+        row = _rows(doctor.report())["autocast"]
+    assert says in row and "many times" not in row
+    assert row.endswith("compare runs it") == runs
+    assert ("compare leaves it out" in row) == (not runs)

@@ -24,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -128,9 +131,41 @@ def test_detection_agrees_with_onednn_and_is_cached(detect_fresh):
         assert s.native(dtype) == (d.matmul and d.conv)
         if not d.onednn:  # the probe only confirms a yes
             assert not (d.matmul or d.conv) and d.matmul_ratio is None and d.conv_ratio is None
+            assert d.kind == "none"
         else:
             assert d.matmul == (d.matmul_ratio <= cpu_half.PROBE_RATIO_LIMIT)
             assert d.conv == (d.conv_ratio <= cpu_half.PROBE_RATIO_LIMIT)
+            assert d.kind == ("native" if d.matmul and d.conv else "conv-only")
+
+
+@pytest.mark.parametrize("answer, kind", [
+    (cpu_half.DtypeSupport(True, True, True, 0.5, 0.6), "native"),
+    (cpu_half.DtypeSupport(True, False, True, 2.8, 1.9), "conv-only"),
+    (cpu_half.DtypeSupport(True, False, False, 4.9, 3.6), "conv-only"),
+    (cpu_half.DtypeSupport(False, False, False), "none"),
+    (cpu_half.DtypeSupport(None, True, True), "native"),
+    (cpu_half.DtypeSupport(None, False, False), "none"),
+])
+def test_host_kind_of_each_answer(answer, kind):
+    """oneDNN's yes without native speed is the middle kind; forced answers are the ends."""
+    assert answer.kind == kind and kind in cpu_half.HOST_KINDS
+    with cpu_half.override(bfloat16=answer) as s:
+        assert s.bfloat16 is answer and s.as_dict()["bf16"]["kind"] == kind
+        assert (f"host kind {kind}" in s.describe()) == (kind != "native")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", cpu_half.HOST_KINDS)
+def test_forced_kind_env_gives_that_kind_or_a_lower_one(kind):
+    """The ISA caps of ``make test-hosts`` give their kind on a better host, never a better one."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", cpu_half.ENV_VAR)}
+    env.update(cpu_half.FORCED_KIND_ENV[kind])
+    proc = subprocess.run([sys.executable, "-c", "import amp_patch.cpu_half as c; "
+                           "print(c.cpu_half_support().bfloat16.kind)"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert cpu_half.HOST_KINDS.index(proc.stdout.strip()) >= cpu_half.HOST_KINDS.index(kind)
 
 
 def test_describe_is_one_line_with_host_kind_and_dict_is_json(detect_fresh):

@@ -124,8 +124,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="the half type (default: fp16 on CUDA, bf16 on CPU)")
     p.add_argument("--levels", nargs="+", type=_level, default=None, metavar="LEVEL",
                    help=f"levels to run, from {' '.join(LEVELS)} (default: all; autocast is "
-                        "left out on a CPU without native half; O2-lean is O2 with int8 "
-                        "optimizer state and bf16 masters)")
+                        "left out on a CPU where its half matmuls would take more than "
+                        f"{host_facts.AUTOCAST_FACTOR_LIMIT:g}x fp32's time; O2-lean is O2 with "
+                        "int8 optimizer state and bf16 masters)")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="train each level data-parallel over N ranks on this machine (default: 1, "
                         "one process per level)")
@@ -263,13 +264,14 @@ def _main(ns: argparse.Namespace) -> int:
     host = host_facts.HostFacts.collect(job["device"])
     notes = [note for note in (host_facts.cpu_half_banner(host, job["half_dtype"]),) if note]
     levels = list(dict.fromkeys(ns.levels or LEVELS))
-    if ns.levels is None and host_facts.autocast_is_slow(host, job["half_dtype"]):
-        # amp_patch emulates half matmuls for its own levels only; torch.autocast would take
-        # many times O0's time here and hold up the whole comparison.
+    cost = host_facts.autocast_cost(host, job["half_dtype"])
+    left_out = cost.note() if cost is not None and ns.levels is None else None
+    if left_out:
+        # amp_patch emulates half matmuls for its own levels only; torch.autocast runs at the
+        # host's own half speed, and here it would hold up the whole comparison. Where it does
+        # run at a cost, the banner's last line and the table's caption say the cost.
         levels.remove("autocast")
-        notes.append(f"torch.autocast is left out: this CPU has no native {job['half_dtype']} "
-                     "matmul, and autocast is torch's own, which amp_patch does not emulate, so "
-                     "its steps would take many times O0's. Name it in --levels to run it anyway.")
+        notes.append(left_out)
     for note in notes:
         console.print(Panel(note, title="CPU half precision", border_style="yellow"))
     crowded = host_facts.oversubscribed(job["nproc"], host.cpus) if job["strategy"] else None

@@ -128,6 +128,7 @@ class Comparison:
         warnings (list of str): why the speed ratios may not be trusted.
         nproc (int): ranks per level.
         strategy (str or None): ``"ddp"`` or ``"fsdp2"`` when the levels ran over ranks.
+        half_dtype (str): ``"bf16"`` or ``"fp16"``, the run's half type.
     """
 
     results: list[LevelResult]
@@ -137,6 +138,7 @@ class Comparison:
     warnings: list[str] = field(default_factory=list)
     nproc: int = 1
     strategy: str | None = None
+    half_dtype: str = "bf16"
 
     def spreads(self) -> dict[str, float | None]:
         """Relative spread over rounds of every level's speed and speed-up."""
@@ -242,7 +244,8 @@ def run_compare(job: dict[str, Any], levels: list[str], console=None,
     derive(results)
     threads = next((r.threads for r in results if r.threads), torch.get_num_threads())
     host = host_facts.HostFacts.collect(job["device"], threads)
-    comparison = Comparison(results, host, load, rounds, nproc=nproc, strategy=strategy)
+    comparison = Comparison(results, host, load, rounds, nproc=nproc, strategy=strategy,
+                            half_dtype=job["half_dtype"])
     comparison.warnings = host_facts.reliability_warnings(load, comparison.spreads(), host.cpus,
                                                        ranks=nproc if strategy else 1)
     return comparison

@@ -85,6 +85,7 @@ def render_table(comparison: Comparison, title: str):
                *filter(None, [ranks_line(comparison)]),
                *(f"{r.level}: {PRESETS[r.level].about}" for r in comparison.results
                  if r.level in PRESETS),
+               *filter(None, [_autocast_label(comparison)]),
                comparison.host.line(), comparison.load.line()]
     if len(comparison.rounds) < host_facts.MIN_ROUNDS:
         caption.append(f"n/a: a speed needs at least {host_facts.MIN_ROUNDS} timed rounds, "
@@ -98,6 +99,14 @@ def render_table(comparison: Comparison, title: str):
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def _autocast_label(comparison: Comparison) -> str | None:
+    """The caption's line on what the autocast row cost on this host, when it ran at a cost."""
+    if not any(r.level == "autocast" for r in comparison.results):
+        return None
+    cost = host_facts.autocast_cost(comparison.host, comparison.half_dtype)
+    return cost.label() if cost is not None else None
 
 
 def _steps_per_round(rounds: list[int]) -> str:
