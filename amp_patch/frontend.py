@@ -58,6 +58,8 @@ def initialize(
     max_consecutive_skips: int | None = None,
     cpu_half_compute: str | None = None,
     optimizer_state: str | None = None,
+    sync_free: bool | None = None,
+    host_read_interval: int | None = None,
 ):
     """Set up mixed precision for models and optimizers at an opt level.
 
@@ -113,6 +115,18 @@ def initialize(
             :mod:`amp_patch.optimizers.state_format`. Anything but ``"fp32"``
             (and ``master_weights="bf16"``) needs amp_patch's FusedAdam or
             FusedSGD. Default: ``"fp32"``.
+        sync_free (bool, optional): ``scale_loss`` reads nothing on the host: the
+            loss scale is updated on the device, and an overflowed step is skipped
+            there by torch's ``fused=True`` Adam, AdamW and SGD, which take the
+            flag as a tensor; any other optimizer (amp_patch's fused ones
+            included: their step counters live on the host) reads it in
+            ``step()``, once. The loss scale, the
+            overflow message and a collapse are read lazily (docs/design.md,
+            "Host syncs"). False reads the overflow at every ``scale_loss`` exit,
+            as Apex did. Default: True.
+        host_read_interval (int, optional): with ``sync_free``, the updates
+            between two host reads of a loss scaler's state, where its overflow
+            messages are logged and a collapse raises. Default: 100.
 
     Returns:
         The models and optimizers, as passed.
@@ -171,6 +185,8 @@ def initialize(
         max_consecutive_skips=max_consecutive_skips,
         cpu_half_compute=cpu_half_compute,
         optimizer_state=optimizer_state,
+        sync_free=sync_free,
+        host_read_interval=host_read_interval,
     )
     restore_logging = _logging.configure(props.verbosity)
     try:

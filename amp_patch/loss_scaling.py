@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
@@ -39,10 +40,13 @@ def scale_loss(
     loss itself, feed one overflow flag. Under O2 with an amp_patch fused
     optimizer (one that takes step inputs) the grads are instead only read,
     by one L2 norm per device that feeds the flag, and ``step()`` reads them
-    still scaled (the one-pass step, see docs/optimizers.md). The scaler then updates, with the
-    one host sync of the iteration; on overflow the next ``step()`` of each
-    of these optimizers is skipped and the scale halves (dynamic scaling).
-    The O1 weight-cast cache is cleared.
+    still scaled (the one-pass step, see docs/optimizers.md). The scaler then
+    updates on the device; on overflow the next ``step()`` of each of these
+    optimizers is skipped and the scale halves (dynamic scaling). Nothing is
+    read on the host (``sync_free``, the default): the skip is decided on the
+    device where the optimizer can take the flag, and read by ``step()``
+    otherwise (docs/design.md, "Host syncs"). The O1 weight-cast cache is
+    cleared.
 
     With a static scale of 1.0 and no master weights (O0, O3, and O1 with
     bf16 by default) this is a fast path: it yields ``loss.float()`` and
@@ -147,7 +151,7 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
             record.prepare_backward()
     scaler.check_loss(loss)
     try:
-        yield loss.float() * scaler.loss_scale
+        yield scaler.scale_loss(loss)
     except BaseException:
         if not delay_unscale:  # only then did prepare_backward take grads aside
             for record in records:
@@ -174,19 +178,25 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         scaler.unscale(in_place, copy, accumulate)
         if delay_overflow_check:
             return
+        names = functools.partial(_nonfinite_names, session, records)
         try:
-            overflow = scaler.update(lambda: _nonfinite_names(session, records))
+            if session.props.sync_free:
+                # The skip is decided on the device: each record hands the flag to its step.
+                flag = scaler.update_on_device(names)
+                if flag is not None:
+                    for record in records:
+                        record.schedule_skip(flag)
+            elif scaler.update(names):
+                for record in records:
+                    record.schedule_skip(True)
         except LossScaleCollapseError:
             # Whoever catches the collapse must still not step on these grads.
             for record in records:
-                record.skip_next_step = True
+                record.schedule_skip(True)
             raise
-        if overflow:
-            for record in records:
-                record.skip_next_step = True
-        if check is not None:
+        if check is not None:  # the rank check reads the overflow on the host (a debug mode)
             check.at_exit(session, scaler, len(in_place) + len(copy[0]) + len(accumulate[0]),
-                          deferred, overflow)
+                          deferred, scaler.last_overflow)
     finally:
         _end_iteration(session)
 

@@ -13,11 +13,14 @@ from amp_patch import levels as _levels
 from amp_patch.dtypes import MASTER_WEIGHT_DTYPES, OPTIMIZER_STATE_NAMES, check_half_dtype
 from amp_patch.levels import DYNAMIC
 
-__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS", "CPU_HALF_MODES",
-           "check_cpu_half_mode"]
+__all__ = ["Properties", "OPT_LEVELS", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS",
+           "DEFAULT_HOST_READ_INTERVAL", "CPU_HALF_MODES", "check_cpu_half_mode"]
 
 #: Consecutive skipped steps a static loss scale allows before it is an error.
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 50
+#: Updates after which a sync-free loss scaler reads its device state on the host (to log
+#: overflows and raise a collapse): see docs/design.md, "Host syncs".
+DEFAULT_HOST_READ_INTERVAL = 100
 #: The level names, in order (the registry is :data:`amp_patch.levels.OPT_LEVELS`).
 OPT_LEVELS = _levels.NAMES
 #: The values of the ``cpu_half_compute`` property (:mod:`amp_patch.cpu_half` acts on them).
@@ -80,6 +83,14 @@ class Properties:
             this many consecutive skips of one loss scaler, the next overflow
             raises :class:`~amp_patch.scaler.LossScaleCollapseError`. (A dynamic
             scale is bounded by ``min_loss_scale`` instead.) Default: 50.
+        sync_free (bool): the loss scalers update on the device and ``scale_loss``
+            reads nothing on the host; the skip of an overflowed step is
+            decided on the device where the optimizer can take it (see
+            docs/design.md, "Host syncs"). False reads the overflow on the host
+            at every ``scale_loss`` exit, as Apex did. Default: True.
+        host_read_interval (int): with ``sync_free``, a loss scaler reads its
+            state on the host every this many updates, logging the overflows
+            since the last read and raising a collapse. Default: 100.
         enabled (bool): False makes amp a no-op.
         cpu_half_compute (str): how half matmuls and convolutions run on the
             CPU: ``"auto"`` emulates them (fp32 compute on fp32 copies of the
@@ -112,6 +123,8 @@ class Properties:
     min_loss_scale: float | None = None
     max_loss_scale: float = 2.0**24
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
+    sync_free: bool = True
+    host_read_interval: int = DEFAULT_HOST_READ_INTERVAL
     enabled: bool = True
     cpu_half_compute: str = "auto"
 
@@ -178,6 +191,12 @@ class Properties:
             raise ValueError(
                 f"max_consecutive_skips must be a positive int, got {self.max_consecutive_skips!r}"
             )
+        if not isinstance(self.sync_free, bool):
+            raise ValueError(f"sync_free must be True or False, got {self.sync_free!r}")
+        if not (isinstance(self.host_read_interval, int) and not isinstance(
+                self.host_read_interval, bool) and self.host_read_interval >= 1):
+            raise ValueError(
+                f"host_read_interval must be a positive int, got {self.host_read_interval!r}")
         if not (isinstance(self.max_loss_scale, (int, float)) and self.max_loss_scale > 0):
             raise ValueError(
                 f"max_loss_scale must be a positive number, got {self.max_loss_scale!r}")

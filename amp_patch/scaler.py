@@ -1,15 +1,23 @@
-"""The loss scaler: scale and overflow flag as device tensors, the update rule, its checkpoint
-state.
+"""The loss scaler: scale, counters and overflow flag as device tensors, the update rule run on
+the device, its checkpoint state.
 
-One :class:`AmpScaler` exists per ``loss_id``. Its scale lives twice: as a
-host float (the *mirror*, used to scale the loss and as the float argument of
-``multi_tensor_axpby_``) and, per device, as a one-element ``inv_scale``
-tensor that the fused kernels read. The overflow flag ``found_inf`` is a
-one-element tensor per device, set by the unscale kernels and by the checks of
-the loss (:meth:`AmpScaler.check_loss`) and of the grads' norm
-(:meth:`AmpScaler.check`). :meth:`AmpScaler.update` reads the flags with the
-one host sync of an iteration and then changes the mirror and the device
-tensors together, so the two never disagree.
+One :class:`AmpScaler` exists per ``loss_id``. Its whole state (the scale, the
+count of clean iterations, the skip counts, the last overflow) lives in one
+float64 tensor on the grads' device, and :meth:`AmpScaler.update_on_device`
+applies the update rule there with tensor ops: nothing is read on the host, so
+an iteration makes no host sync and can be captured. Per device, the fused
+kernels read a one-element ``inv_scale`` tensor, the loss is multiplied by a
+0-dim ``scale`` tensor, and the overflow flag ``found_inf`` is raised by the
+unscale kernels and by the checks of the loss (:meth:`AmpScaler.check_loss`)
+and of the grads' norm (:meth:`AmpScaler.check`).
+
+The host keeps a *mirror* of that state, read lazily (:meth:`AmpScaler.sync`):
+when the scale or the overflow is asked for (``loss_scale``, ``last_overflow``,
+``state_dict``), and every ``host_read_interval`` updates, where the Apex
+message of each overflow seen since the last read is logged and a collapse
+raises. :meth:`AmpScaler.update` is the synchronous form, reading at once (the
+``sync_free=False`` setting); docs/design.md, "Host syncs", says what each read
+costs.
 
 Every tensor of one fused op call must be on one device. Here,
 :func:`~amp_patch.tensors.group_by_device_and_dtype` splits the lists of the unscale passes; the
@@ -31,7 +39,12 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.properties import DEFAULT_MAX_CONSECUTIVE_SKIPS, DYNAMIC, Properties
+from amp_patch.properties import (
+    DEFAULT_HOST_READ_INTERVAL,
+    DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    DYNAMIC,
+    Properties,
+)
 from amp_patch.tensors import (
     group_by_device_and_dtype,  # re-exported: it was public here
     local_tensors,
@@ -79,13 +92,20 @@ class LossScaleCollapseError(RuntimeError):
 
 
 class _DeviceTensors:
-    """The scaler's tensors on one device: ``found_inf`` (0.0 or 1.0) and ``inv_scale``."""
+    """The scaler's tensors on one device: ``found_inf`` (0.0 or 1.0), ``inv_scale`` (one
+    element, read by the fused kernels) and ``scale`` (0-dim, multiplying the loss), all fp32."""
 
-    __slots__ = ("found_inf", "inv_scale")
+    __slots__ = ("found_inf", "inv_scale", "scale")
 
     def __init__(self, device: torch.device, scale: float) -> None:
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self.inv_scale = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
+        self.scale = torch.full((), scale, dtype=torch.float32, device=device)
+
+
+# The fields of the device state, one float64 each (exact for counts below 2**53).
+_SCALE, _UNSKIPPED, _SKIPPED, _CONSECUTIVE, _OVERFLOW, _UNREAD, _COLLAPSED = range(7)
+_FIELDS = 7
 
 
 class AmpScaler:
@@ -100,8 +120,8 @@ class AmpScaler:
     iterations; after ``scale_window`` (2000) clean iterations it doubles, up
     to ``max_loss_scale``. A static scale never changes, but an overflow still
     makes the step be skipped; more than ``max_consecutive_skips`` overflows
-    in a row are an error. Iterations are counted per :meth:`update`, i.e.
-    per exit of :func:`amp_patch.scale_loss` for this ``loss_id``.
+    in a row are an error. Iterations are counted per update, i.e. per exit of
+    :func:`amp_patch.scale_loss` for this ``loss_id``.
 
     Args:
         loss_scale (float or str): a static scale, or ``"dynamic"``.
@@ -113,11 +133,21 @@ class AmpScaler:
         scale_window (int, optional): clean iterations before doubling. Default: 2000.
         max_consecutive_skips (int, optional): with a static scale, the
             overflows in a row allowed; the next one raises. Default: 50.
+        host_read_interval (int, optional): :meth:`update_on_device` reads the
+            state on the host (one sync) every this many updates, to log the
+            overflows since the last read and to raise a collapse. Updates
+            inside a region compiled by ``torch.compile`` are not counted (a
+            host read there would break the graph): there the state is read
+            when asked. Default: 100.
 
     .. note::
-        The scale and overflow flag are tensors on the gradients' device,
-        created the first time a device is seen. :meth:`update` is the only
-        method that syncs with the host, once.
+        The scale, the counters and the overflow flag are tensors on the
+        gradients' device, created the first time a device is seen.
+        :meth:`update_on_device` reads nothing on the host (but every
+        ``host_read_interval``-th call); :meth:`update` reads once;
+        :attr:`loss_scale` of a dynamic scaler, :attr:`last_overflow`,
+        :attr:`skipped_steps` and :meth:`state_dict` read when the host's copy
+        is behind the device's (:meth:`sync`).
 
     Example::
 
@@ -134,20 +164,31 @@ class AmpScaler:
         max_loss_scale: float = 2.0**24,
         scale_window: int = SCALE_WINDOW,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        host_read_interval: int = DEFAULT_HOST_READ_INTERVAL,
     ) -> None:
         self.dynamic = loss_scale == DYNAMIC
         self.loss_id = loss_id
         self.max_loss_scale = float(max_loss_scale)
         self.min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
         self.scale_window = scale_window
+        self.max_consecutive_skips = max_consecutive_skips
+        self.host_read_interval = host_read_interval
+        # The host mirror: exact while no device update is unread (``not _unread``).
         self._scale = (min(INITIAL_DYNAMIC_SCALE, self.max_loss_scale) if self.dynamic
                        else float(loss_scale))
-        self.max_consecutive_skips = max_consecutive_skips
         self._unskipped = 0
         self._skipped = 0
         self._consecutive = 0
         self._last_overflow = False
         self._devices: dict[torch.device, _DeviceTensors] = {}
+        # The device state (made at the first update, on the device where the flags meet),
+        # and how many updates it holds that the mirror has not read.
+        self._state: Tensor | None = None
+        self._unread = False
+        # Updates since the last read, counted in eager code only: a Python int that changed
+        # at every update would make torch.compile recompile the region at every step.
+        self._since_read = 0
+        self._nonfinite_names: Callable[[], list[str]] | None = None
 
     @classmethod
     def from_properties(cls, props: Properties, loss_id: int = 0) -> "AmpScaler":
@@ -162,11 +203,19 @@ class AmpScaler:
         """
         return cls(props.loss_scale, loss_id=loss_id, min_loss_scale=props.min_loss_scale,
                    max_loss_scale=props.max_loss_scale,
-                   max_consecutive_skips=props.max_consecutive_skips)
+                   max_consecutive_skips=props.max_consecutive_skips,
+                   host_read_interval=props.host_read_interval)
 
     @property
     def loss_scale(self) -> float:
-        """The current scale (the host mirror; reading it does not sync)."""
+        """The current scale.
+
+        A static scale never changes on the device, so reading it is free; a
+        dynamic one is read from the device when the host's copy is behind
+        (one sync, see :meth:`sync`).
+        """
+        if self.dynamic:
+            self.sync()
         return self._scale
 
     @loss_scale.setter
@@ -180,30 +229,61 @@ class AmpScaler:
         if not (0.0 < scale < float("inf")):
             raise ValueError(f"loss scaler {self.loss_id}: the loss scale must be a positive "
                              f"finite number, got {value!r}")
+        self.sync()
         self._set_scale(scale)
 
     @property
     def last_overflow(self) -> bool:
-        """Whether the last :meth:`update` found an overflow (and so asked for a skipped step)."""
+        """Whether the last update found an overflow (and so asked for a skipped step).
+
+        Reads the device state when the host's copy is behind (:meth:`sync`).
+        """
+        self.sync()
         return self._last_overflow
 
     @property
     def skipped_steps(self) -> int:
-        """How many updates found an overflow since the scaler was made (or loaded)."""
+        """How many updates found an overflow since the scaler was made (or loaded).
+
+        Reads the device state when the host's copy is behind (:meth:`sync`).
+        """
+        self.sync()
         return self._skipped
 
     def device_tensors(self, device: torch.device) -> _DeviceTensors:
-        """The ``found_inf`` and ``inv_scale`` tensors on ``device``, made on first use."""
+        """The ``found_inf``, ``inv_scale`` and ``scale`` tensors on ``device``, made on first use.
+
+        A device first seen while the host's copy is behind copies the scale
+        from the device state, without a sync.
+        """
         state = self._devices.get(device)
         if state is None:
             state = self._devices[device] = _DeviceTensors(device, self._scale)
+            if self._unread:
+                self._write_scale_tensors(self._home()[_SCALE], [state])
         return state
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss.float()`` times the current scale, on the loss's device (no host sync).
+
+        Args:
+            loss (Tensor): the loss.
+
+        Returns:
+            Tensor: the scaled loss, fp32, of the loss's shape.
+
+        Example::
+
+            >>> AmpScaler(128.0).scale_loss(torch.tensor(0.5)).item()
+            64.0
+        """
+        return loss.float() * self.device_tensors(loss.device).scale
 
     def check_loss(self, loss: Tensor) -> None:
         """Flag an overflow if ``loss`` holds an inf or NaN (no host sync).
 
         This also makes sure the loss's device has a flag, so that every
-        process takes part in :meth:`update`'s all-reduce even with no grads.
+        process takes part in the update's all-reduce even with no grads.
         """
         state = self.device_tensors(loss.device)
         state.found_inf.masked_fill_(~torch.isfinite(loss.detach()).all(), 1.0)
@@ -222,18 +302,27 @@ class AmpScaler:
             copy (pair of lists): ``(src, dst)``: ``dst = float(src) * inv_scale``
                 (``multi_tensor_unscale_copy_``, half model grads into the
                 fp32 master grads' storage).
-            accumulate (pair of lists): ``(x, y)``: ``y = x * (1 / scale) + y``,
-                ``1 / scale`` computed on the host from the mirror
-                (``multi_tensor_axpby_``, new scaled grads into grads that
-                already hold unscaled ones).
+            accumulate (pair of lists): ``(x, y)``: ``y = float(x) * inv_scale + y``
+                (new scaled grads into grads that already hold unscaled ones):
+                one ``multi_tensor_axpby_`` with ``1 / scale`` from the host's
+                copy when that is current (a static scale, or no update unread);
+                else ``multi_tensor_unscale_copy_`` into fp32 temporaries and
+                one ``_foreach_add_``, reading the device's ``inv_scale`` on the
+                device, to the same bits.
 
         .. note::
-            Nothing here syncs; the flags are read by :meth:`update`.
+            Nothing here syncs; the flags are read by the update.
         """
         unscale_grads(in_place, copy, self.device_tensors)
+        host_current = not (self.dynamic and self._unread)
         for (device, _), (x, y) in group_by_device_and_dtype(*accumulate).items():
             state = self.device_tensors(device)
-            ops.multi_tensor_axpby_(x, y, state.found_inf, 1.0 / self._scale, 1.0)
+            if host_current:
+                ops.multi_tensor_axpby_(x, y, state.found_inf, 1.0 / self._scale, 1.0)
+                continue
+            fresh = [torch.empty_like(t, dtype=torch.float32) for t in y]
+            ops.multi_tensor_unscale_copy_(x, fresh, state.found_inf, state.inv_scale)
+            _add_into(y, fresh)
 
     def check(self, grads: Sequence[Tensor]) -> dict[torch.device, Tensor]:
         """Flag an overflow if any of ``grads`` holds an inf or NaN, only reading them (no sync).
@@ -250,7 +339,7 @@ class AmpScaler:
                 should sum them (an optimizer's ``param_groups`` order).
 
         Sharded grads (FSDP2's DTensors) are read as this rank's shards: the
-        flag is agreed over the ranks when :meth:`update` reads it, but the
+        flag is agreed over the ranks when the update reads it, but the
         norms are then this rank's part only.
 
         Returns:
@@ -263,7 +352,7 @@ class AmpScaler:
             >>> scaler = AmpScaler.from_properties(Properties.from_opt_level("O2", torch.float16))
             >>> loss_fn(model(x), y).backward()
             >>> norms = scaler.check([p.grad for p in model.parameters()])
-            >>> scaler.update()   # the one host sync: True on overflow
+            >>> scaler.update()   # reads the flag on the host: True on overflow
             False
         """
         by_device: dict[torch.device, list[Tensor]] = {}
@@ -277,17 +366,18 @@ class AmpScaler:
         return norms
 
     def snapshot(self, device: torch.device) -> _DeviceTensors:
-        """This scale's ``inv_scale`` on ``device``, as a tensor of its own, with a flag of its own.
+        """This scale's tensors on ``device``, as tensors of their own, with a flag of its own.
 
-        For grads read after :meth:`update` (a deferred unscale, or the
-        one-pass step): update may already have changed the scale, and a later
-        pass must not raise the next iteration's overflow flag.
+        For grads read after the update (a deferred unscale, or the one-pass
+        step): the update may already have changed the scale, and a later pass
+        must not raise the next iteration's overflow flag. The copies are made
+        on the device (no sync).
 
         Args:
             device (torch.device): where the tensors live.
 
         Returns:
-            _DeviceTensors: ``found_inf`` (zero) and ``inv_scale`` (``1 / loss_scale`` now).
+            _DeviceTensors: ``found_inf`` (zero), ``inv_scale`` and ``scale`` (the current ones).
 
         Example::
 
@@ -295,25 +385,69 @@ class AmpScaler:
             >>> scaler.update()             # may double the scale
             >>> unscale_grads([grad], ([], []), {grad.device: kept}.__getitem__)
         """
-        return _DeviceTensors(device, self._scale)
+        now = self.device_tensors(device)
+        kept = _DeviceTensors.__new__(_DeviceTensors)
+        kept.found_inf = torch.zeros_like(now.found_inf)
+        kept.inv_scale = now.inv_scale.clone()
+        kept.scale = now.scale.clone()
+        return kept
 
-    def _read_overflow(self) -> bool:
+    # --------------------------------------------------------------- updating
+
+    def update_on_device(self, nonfinite_names: Callable[[], list[str]] | None = None
+                         ) -> Tensor | None:
+        """Apply the update rule on the device, reading nothing on the host.
+
+        The overflow flags of every device meet on one (an accelerator if there
+        is one), are all-reduced (MAX) under torch.distributed, and decide the
+        next scale, the counters and the skip, with tensor ops. The flags are
+        then cleared. Every ``host_read_interval``-th call made outside
+        ``torch.compile`` reads the state (:meth:`sync`): the Apex message of each
+        overflow since the last read is logged then, and a collapse raises then,
+        at most that many updates late.
+
+        Args:
+            nonfinite_names (callable, optional): returns the names of the
+                parameters whose gradients are non-finite; called only to word
+                the collapse error.
+
+        Returns:
+            Tensor or None: the overflow flag of this update (one-element fp32,
+            1.0 on overflow: the step must be skipped), a tensor of its own on the
+            device where the flags met; None when no device was ever flagged
+            (nothing was checked), which is no overflow.
+
+        Raises:
+            LossScaleCollapseError: at a host read, when an update since the last
+                read would have taken a dynamic scale below its floor, or a
+                static one past ``max_consecutive_skips`` overflows in a row.
+        """
         flags = [state.found_inf for state in self._devices.values()]
         if not flags:
-            return False
+            self._clean_update_on_host()
+            return None
         # Prefer an accelerator flag as the meeting point: a device-to-host copy
         # of the others would be a sync each.
         flags.sort(key=lambda f: f.device.type == "cpu")
         flag = flags[0] if len(flags) == 1 else torch.stack(
             [f.to(flags[0].device, non_blocking=True) for f in flags]).amax(0)
         flag = _all_reduce_max(flag)
-        overflow = flag.item() != 0.0  # the one host sync of an iteration
+        overflow = (flag != 0).reshape(())
+        state = self._home(flag.device)
+        state.copy_(self._next_state(state, overflow))
+        self._write_scale_tensors(state[_SCALE], self._devices.values())
         for f in flags:
             f.zero_()
-        return overflow
+        self._unread = True
+        self._nonfinite_names = nonfinite_names
+        if not torch.compiler.is_compiling():
+            self._since_read += 1
+            if self._since_read >= self.host_read_interval:
+                self.sync()
+        return overflow.to(torch.float32).reshape(1)
 
     def update(self, nonfinite_names: Callable[[], list[str]] | None = None) -> bool:
-        """Read the overflow flags (one host sync), then adjust the scale and count.
+        """Update (:meth:`update_on_device`) and read the result on the host at once (one sync).
 
         On overflow the dynamic scale halves and the count of clean iterations
         restarts, and the Apex message is logged at INFO (a static scale logs
@@ -333,59 +467,155 @@ class AmpScaler:
                 or a static one overflowed more than ``max_consecutive_skips``
                 times in a row.
         """
-        overflow = self._last_overflow = self._read_overflow()
-        if not overflow:
-            self._unskipped += 1
-            self._consecutive = 0
-            if self.dynamic and self._unskipped >= self.scale_window:
-                self._set_scale(min(self.max_loss_scale, self._scale * 2.0))
-                self._unskipped = 0
-            return False
-        self._skipped += 1
-        self._unskipped = 0
-        self._consecutive += 1
+        self.update_on_device(nonfinite_names)
+        self.sync()
+        return self._last_overflow
+
+    def sync(self) -> None:
+        """Bring the host's copy of the state up to date (one sync when it is behind).
+
+        Logs the Apex message for the overflows of the updates not read yet,
+        and raises a collapse that one of them found. Free when nothing is
+        unread.
+
+        Raises:
+            LossScaleCollapseError: as :meth:`update`.
+
+        Example::
+
+            >>> scaler = AmpScaler("dynamic")
+            >>> scaler.sync()   # nothing unread: no device read
+        """
+        if not self._unread or self._state is None:
+            return
+        state = self._state
+        values = state.tolist()  # the host read
+        self._unread, self._since_read = False, 0
+        state[_UNREAD].zero_()
+        self._scale = values[_SCALE]
+        self._unskipped, self._skipped, self._consecutive = (
+            int(values[_UNSKIPPED]), int(values[_SKIPPED]), int(values[_CONSECUTIVE]))
+        self._last_overflow = values[_OVERFLOW] != 0.0
+        if values[_COLLAPSED]:
+            state[_COLLAPSED].zero_()
+            raise self._collapse_error()
+        unread = int(values[_UNREAD])
+        if unread:
+            self._log_overflows(unread)
+
+    def _next_state(self, state: Tensor, overflow: Tensor) -> Tensor:
+        """The update rule as tensor ops: the state after an update with ``overflow`` (0-dim
+        bool). The mirror's :meth:`_clean_update_on_host` is its no-overflow case."""
+        scale, unskipped, skipped, consecutive, _, unread, collapsed = state.unbind()
+        hit = overflow.to(state.dtype)
+        clean = 1.0 - hit
+        unskipped = (unskipped + 1.0) * clean
+        consecutive = (consecutive + 1.0) * hit
         if self.dynamic:
             floor = DEFAULT_MIN_LOSS_SCALE if self.min_loss_scale is None else self.min_loss_scale
-            halved = self._scale / 2.0
-            if halved < floor and (self.min_loss_scale is None or self._scale <= floor):
-                raise self._collapse(nonfinite_names, f"even at loss scale {self._scale}; it would "
-                                                      f"fall below the floor {floor}")
-            self._set_scale(max(halved, floor))
+            grow = unskipped >= self.scale_window
+            halved = scale * 0.5
+            collapse = overflow & (halved < floor)
+            if self.min_loss_scale is not None:
+                collapse = collapse & (scale <= floor)
+            next_scale = torch.where(
+                overflow, torch.where(collapse, scale, halved.clamp(min=floor)),
+                torch.where(grow, (scale * 2.0).clamp(max=self.max_loss_scale), scale))
+            unskipped = torch.where(grow, torch.zeros_like(unskipped), unskipped)
+        else:
+            collapse = overflow & (consecutive > self.max_consecutive_skips)
+            next_scale = scale
+        return torch.stack([next_scale, unskipped, skipped + hit, consecutive, hit, unread + hit,
+                            torch.maximum(collapsed, collapse.to(state.dtype))])
+
+    def _clean_update_on_host(self) -> None:
+        """An update with no flag anywhere (nothing was checked): a clean iteration, counted on
+        the host (the device state, if any, is read first so that the two stay one)."""
+        self.sync()
+        self._last_overflow = False
+        self._unskipped += 1
+        self._consecutive = 0
+        if self.dynamic and self._unskipped >= self.scale_window:
+            self._unskipped = 0
+            self._set_scale(min(self.max_loss_scale, self._scale * 2.0))
+        elif self._state is not None:
+            self._write_state()
+
+    def _log_overflows(self, unread: int) -> None:
+        late = (f" ({unread} overflows since the last read of the scale)" if unread > 1 else "")
+        if self.dynamic:
             # Apex's words, two spaces included: scripts and log scrapers look for them.
             logger.info("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale "
-                        "to %s", self.loss_id, self._scale)
-            return True
-        if self._consecutive > self.max_consecutive_skips:
-            raise self._collapse(
-                nonfinite_names,
-                f"at {self._consecutive} consecutive steps with the static loss scale "
-                f"{self._scale}, which cannot shrink (max_consecutive_skips="
-                f"{self.max_consecutive_skips})")
-        logger.info("Gradient overflow.  Skipping step, loss scaler %d keeps its static loss scale "
-                    "%s (%d consecutive skips; more than %d raise an error)", self.loss_id,
-                    self._scale, self._consecutive, self.max_consecutive_skips)
-        return True
+                        "to %s%s", self.loss_id, self._scale, late)
+        else:
+            logger.info("Gradient overflow.  Skipping step, loss scaler %d keeps its static loss "
+                        "scale %s (%d consecutive skips; more than %d raise an error)%s",
+                        self.loss_id, self._scale, self._consecutive, self.max_consecutive_skips,
+                        late)
 
-    def _collapse(self, nonfinite_names: Callable[[], list[str]] | None,
-                  what: str) -> LossScaleCollapseError:
-        names = nonfinite_names() if nonfinite_names is not None else []
+    def _collapse_error(self) -> LossScaleCollapseError:
+        if self.dynamic:
+            floor = DEFAULT_MIN_LOSS_SCALE if self.min_loss_scale is None else self.min_loss_scale
+            what = (f"even at loss scale {self._scale}; it would fall below the floor {floor}")
+        else:
+            what = (f"at {self._consecutive} consecutive steps with the static loss scale "
+                    f"{self._scale}, which cannot shrink (max_consecutive_skips="
+                    f"{self.max_consecutive_skips})")
+        names = self._nonfinite_names() if self._nonfinite_names is not None else []
         return LossScaleCollapseError(
             f"loss scaler {self.loss_id}: gradients are non-finite {what}. Non-finite gradients "
             f"in: {', '.join(names) if names else 'the loss itself (no gradient was non-finite)'}"
         )
 
+    def _home(self, device: torch.device | None = None) -> Tensor:
+        """The device state, made from the host mirror on ``device`` the first time."""
+        if self._state is None:
+            if device is None:
+                raise RuntimeError("the scaler has no device state yet")
+            self._state = torch.empty(_FIELDS, dtype=torch.float64, device=device)
+            self._write_state()
+        return self._state
+
+    def _write_state(self) -> None:
+        """Copy the host mirror into the device state (a host-to-device write: no sync)."""
+        assert self._state is not None
+        values = [0.0] * _FIELDS
+        values[_SCALE], values[_UNSKIPPED] = self._scale, float(self._unskipped)
+        values[_SKIPPED], values[_CONSECUTIVE] = float(self._skipped), float(self._consecutive)
+        values[_OVERFLOW] = float(self._last_overflow)
+        self._state.copy_(torch.tensor(values, dtype=torch.float64), non_blocking=True)
+
+    @staticmethod
+    def _write_scale_tensors(scale: Tensor, devices: Iterable[_DeviceTensors]) -> None:
+        """Each device's ``scale`` and ``inv_scale`` from the device state's float64 scale.
+
+        ``1 / scale`` is divided in float64 and rounded to fp32 once, as the host's
+        ``torch.full(1.0 / scale)`` rounds it, so both give the same bits.
+        """
+        inv = (1.0 / scale).to(torch.float32)
+        as32 = scale.to(torch.float32)
+        for state in devices:
+            state.inv_scale.copy_(inv, non_blocking=True)
+            state.scale.copy_(as32, non_blocking=True)
+
     def _set_scale(self, scale: float) -> None:
         self._scale = scale
         for state in self._devices.values():
             state.inv_scale.fill_(1.0 / scale)  # a host-to-device write: no sync
+            state.scale.fill_(scale)
+        if self._state is not None:
+            self._write_state()
+
+    # ------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict:
-        """The checkpoint state.
+        """The checkpoint state (reads the device state first when the host's copy is behind).
 
         Returns:
             dict: ``{"loss_scale": float, "unskipped": int, "skipped": int, "dynamic": bool,
             "consecutive_skips": int}``.
         """
+        self.sync()
         return {"loss_scale": self._scale, "unskipped": self._unskipped,
                 "skipped": self._skipped, "dynamic": self.dynamic,
                 "consecutive_skips": self._consecutive}
@@ -438,14 +668,25 @@ class AmpScaler:
         """
         scale, self._unskipped, self._skipped, self._consecutive = self.check_state_dict(state)
         self._last_overflow = False
+        self._unread, self._since_read = False, 0  # updates not read yet are replaced, not read
         self._set_scale(scale)
         for dev in self._devices.values():
             dev.found_inf.zero_()
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
+        late = ", updates unread" if self._unread else ""
         return (f"AmpScaler(id={self.loss_id}, {kind}, scale={self._scale}, "
-                f"unskipped={self._unskipped})")
+                f"unskipped={self._unskipped}{late})")
+
+
+def _add_into(y: list[Tensor], x: list[Tensor]) -> None:
+    """``y[i] += x[i]``, for ``y`` of one dtype (fp32 master or stashed grads) and fp32 ``x``."""
+    if y[0].dtype == torch.float32:
+        torch._foreach_add_(y, x)
+    else:
+        for dst, src in zip(y, x):
+            dst.copy_(dst.float() + src)
 
 
 def _count(value: Any) -> int:

@@ -139,7 +139,7 @@ def test_collapse_error_still_skips_the_step():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", min_loss_scale=2.0**15,
-                   verbosity=0)
+                   sync_free=False, verbosity=0)
     before = [p.detach().clone() for p in model.parameters()]
     x, y = mlp_batch(0)
     with pytest.raises(LossScaleCollapseError):

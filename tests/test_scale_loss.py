@@ -116,14 +116,19 @@ def test_delay_unscale_leaves_grads_scaled_then_accumulates(op_calls):
         torch.testing.assert_close(master.grad, 2 * g / 2.0**16, rtol=0.02, atol=1e-6)
 
 
-def test_second_unscale_accumulates_with_axpby(op_calls):
+@pytest.mark.parametrize("sync_free, second", [
+    (False, "multi_tensor_axpby_"),  # the host knows the scale: axpby takes 1 / scale
+    (True, "multi_tensor_unscale_copy_"),  # it does not: a temporary by the device's inv_scale
+])
+def test_second_unscale_accumulates(op_calls, sync_free, second):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", sync_free=sync_free,
+                   verbosity=0)
     one_backward(model, opt)
     first = [p.grad.clone() for p in amp.master_params(opt)]
     one_backward(model, opt)
-    assert [n for n, _ in op_calls] == ["multi_tensor_unscale_copy_", "multi_tensor_axpby_"]
+    assert [n for n, _ in op_calls] == ["multi_tensor_unscale_copy_", second]
     for g, master in zip(first, amp.master_params(opt)):
         torch.testing.assert_close(master.grad, 2 * g)
 
@@ -166,7 +171,9 @@ def test_delay_overflow_check_unscales_without_update_or_skip():
 def test_overflow_message_logged(caplog):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=1)
+    # Read at the exit itself; sync-free, it comes at the next host read (tests/test_sync_free.py).
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", sync_free=False,
+                   verbosity=1)
     x, y = mlp_batch(0)
     with caplog.at_level(logging.INFO, logger="amp_patch"):
         with amp.scale_loss(xent(model(x), y) * float("nan"), opt) as s:

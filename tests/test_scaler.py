@@ -142,6 +142,28 @@ def test_unscale_one_call_per_kind_and_group(monkeypatch):
                for d, g in zip(dst, g16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [65536.0, 3.0, 1 / 7])
+def test_accumulate_matches_axpby_bitwise(dtype, scale):
+    """The accumulating unscale (a temporary, then an add) gives axpby's bits: a*x + y in fp32."""
+    from amp_patch import ops
+
+    gen = torch.Generator().manual_seed(0)
+    x = [(torch.randn(n, generator=gen) * 100).to(dtype) for n in (1, 257, 1000)]
+    y = [torch.randn(n, generator=gen) for n in (1, 257, 1000)]
+    expected = [t.clone() for t in y]
+    ops.multi_tensor_axpby_(x, expected, torch.zeros(1), 1.0 / scale, 1.0)
+    s = AmpScaler("dynamic")
+    s.loss_scale = scale
+    s.device_tensors(torch.device("cpu"))
+    s.update_on_device()  # the host's copy is now behind: the device's inv_scale is read
+    s.loss_scale = scale
+    s.update_on_device()
+    assert s._unread
+    s.unscale(accumulate=(x, y))
+    assert all(torch.equal(a, b) for a, b in zip(y, expected))
+
+
 def test_group_by_device_and_dtype_keeps_order_and_parallel_lists():
     a = [torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16), torch.zeros(2)]
     b = ["x", "y", "z"]

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_patch as amp
 
@@ -192,6 +193,55 @@ def count_host_syncs():
                 setattr(torch.Tensor, n, orig)
             else:
                 delattr(torch.Tensor, n)
+
+
+class _DeviceReads(TorchDispatchMode):
+    """Counts the aten ops that hand a device value to the host: ``_local_scalar_dense``
+    (``item``, ``bool``, ``float``) and copies from an accelerator to the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.name()
+        if name == "aten::_local_scalar_dense":
+            self.reads.append(name)
+        elif name in ("aten::_to_copy", "aten::copy_") and args:
+            src = args[1] if name == "aten::copy_" else args[0]
+            dst = kwargs.get("device") if name == "aten::_to_copy" else args[0].device
+            if isinstance(src, torch.Tensor) and src.device.type != "cpu" and (
+                    dst is not None and torch.device(dst).type == "cpu"):
+                self.reads.append(f"{name} to cpu")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_device_reads():
+    """Counts host reads of device values inside, at the dispatcher and at Python's conversions.
+
+    Two counters, because neither sees everything: a ``TorchDispatchMode`` sees
+    ``aten::_local_scalar_dense`` and device-to-host copies (what ``item`` and
+    ``bool`` of a tensor run), and a wrapper of ``Tensor.tolist`` sees that
+    method, which reads a CPU tensor's memory without dispatching. Yields a dict
+    whose ``"n"`` is the sum and ``"ops"`` the names.
+    """
+    mode = _DeviceReads()
+    counts: dict = {"n": 0, "ops": mode.reads}
+    tolist = torch.Tensor.tolist
+
+    def counted(self, *args, **kwargs):
+        mode.reads.append("Tensor.tolist")
+        return tolist(self, *args, **kwargs)
+
+    torch.Tensor.tolist = counted  # type: ignore[method-assign]
+    try:
+        with mode:
+            yield counts
+    finally:
+        del torch.Tensor.tolist  # inherited from TensorBase: deleted again, not shadowed
+        counts["n"] = len(mode.reads)
 
 
 def free_port() -> int:

@@ -80,8 +80,11 @@ class OptimizerRecord:
     Attributes:
         master_weights (bool): whether half params are stepped through fp32 masters.
         masters (MasterWeights): the masters (empty without master weights).
-        skip_next_step (bool): set by :func:`amp_patch.scale_loss` on overflow;
-            the next ``step()`` does nothing and clears it.
+        skip_next_step (bool or Tensor): set by :func:`amp_patch.scale_loss`
+            (:meth:`schedule_skip`): True on an overflow read on the host, or the
+            device flag of a sync-free exit (one-element fp32, 1.0 on overflow);
+            the next ``step()`` is skipped by it, on the device where the
+            optimizer takes the flag, and clears it.
         scaled_grads_pending (bool): a ``delay_unscale=True`` exit left scaled
             grads in the params; the next ``scale_loss`` must not stash them.
         takes_step_inputs (bool): the optimizer steps the masters through step
@@ -99,7 +102,7 @@ class OptimizerRecord:
         self.master_weights = bool(master_weights)
         master_dtype = master_weights if isinstance(master_weights, torch.dtype) else torch.float32
         self.masters = MasterWeights(master_dtype)
-        self.skip_next_step = False
+        self.skip_next_step: bool | Tensor = False
         self.scaled_grads_pending = False
         self.takes_step_inputs = self.master_weights and callable(
             getattr(optimizer, STEP_INPUTS, None))
@@ -150,6 +153,25 @@ class OptimizerRecord:
         return [(self.masters.model_param(p), p) for p in self.stepped_params()]
 
     # ------------------------------------------------------- scale_loss hooks
+
+    def schedule_skip(self, overflow: bool | Tensor) -> None:
+        """Make the next ``step()`` skip on ``overflow``: True (read on the host), or a device
+        flag (one-element fp32), combined on the device with any flag already scheduled.
+
+        Args:
+            overflow (bool or Tensor): the overflow of a ``scale_loss`` exit.
+
+        Example::
+
+            >>> record.schedule_skip(scaler.update_on_device())
+        """
+        pending = self.skip_next_step
+        if pending is True or overflow is False:
+            return
+        if overflow is True or pending is False:
+            self.skip_next_step = overflow
+        else:
+            self.skip_next_step = torch.maximum(pending, overflow.to(pending.device))
 
     def prepare_backward(self) -> None:
         """At ``scale_loss`` entry: take already-unscaled grads aside so backward starts clean.

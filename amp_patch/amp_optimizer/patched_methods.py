@@ -9,13 +9,18 @@ wrapped in turn, keeping the scheduler's bookkeeping. Once the record is
 inactive (after deinitialize) a wrapper that could not be removed, because a
 scheduler wrapped it in turn, passes calls straight through.
 
-A step is skipped by not calling the optimizer's ``step`` at all. Nothing the
-optimizer owns is touched: parameters, masters, and every state tensor,
-including Adam's ``state["step"]`` counters.
+A step is skipped on the device where the optimizer takes the overflow flag as
+a tensor: amp_patch's fused optimizers through their step inputs (their
+kernels' ``noop``), torch's fused ones (``_step_supports_amp_scaling``) through
+``found_inf`` as ``torch.amp.GradScaler`` hands it. Any other optimizer reads the
+flag on the host (one sync) and is skipped by not calling its ``step`` at all.
+Either way nothing the optimizer owns changes: parameters, masters, and every
+state tensor, including the step counters (docs/design.md, "Host syncs").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol
@@ -26,12 +31,12 @@ from torch import Tensor
 
 from amp_patch.amp_optimizer.larc import LARC
 from amp_patch.amp_optimizer.master_weights import clear_grads
+from amp_patch.optimizers import FusedStepInputs
 
 if TYPE_CHECKING:
     from amp_patch.amp_optimizer.master_weights import MasterWeights
-    from amp_patch.optimizers import FusedStepInputs
 
-__all__ = ["PatchedMethods", "StepRecord", "STEP_INPUTS"]
+__all__ = ["PatchedMethods", "StepRecord", "STEP_INPUTS", "takes_found_inf"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -55,7 +60,7 @@ class StepRecord(Protocol):
     active: bool
     masters: MasterWeights
     master_weights: bool
-    skip_next_step: bool
+    skip_next_step: bool | Tensor
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
@@ -144,10 +149,16 @@ class PatchedMethods:
         opt = record.optimizer
         masters = record.masters
         masters.sync_from_model(record.stepped_params())
-        if record.skip_next_step:
+        skip, record.skip_next_step = record.skip_next_step, False
+        found_inf = None
+        if isinstance(skip, Tensor):
+            if takes_found_inf(opt):
+                found_inf, skip = skip, False
+            else:
+                skip = bool(skip.item() != 0.0)  # this optimizer's one host sync
+        if skip:
             # Not calling the optimizer at all is what keeps its state (Adam's
             # step counters included) exactly as it was.
-            record.skip_next_step = False
             logger.debug("amp_patch: skipped %s.step() after a gradient overflow",
                          type(opt).__name__)
             # A skipped step is still the optimizer's step for an LR scheduler: the flag its
@@ -166,7 +177,14 @@ class PatchedMethods:
             )
         inputs = record.step_inputs()
         with self._step_context():
-            if inputs is None:
+            if found_inf is not None and callable(getattr(opt, STEP_INPUTS, None)):
+                inputs = dataclasses.replace(inputs or FusedStepInputs(), found_inf=found_inf)
+                with getattr(opt, STEP_INPUTS)(inputs):
+                    out = wrapped(*args, **kwargs)
+                inputs = None if inputs.model_params is None else inputs
+            elif found_inf is not None:
+                out = _step_with_found_inf(opt, found_inf, wrapped, args, kwargs)
+            elif inputs is None:
                 out = wrapped(*args, **kwargs)
             else:
                 with getattr(opt, STEP_INPUTS)(inputs):
@@ -209,6 +227,52 @@ class PatchedMethods:
             opt = record.optimizer
             record.masters.attach(opt.param_groups[-1], opt.state)
         return out
+
+
+def takes_found_inf(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` can take an overflow flag as a device tensor and skip on the device.
+
+    amp_patch's fused optimizers take it through their step inputs; torch's
+    fused Adam, AdamW and SGD (``_step_supports_amp_scaling``) through the
+    ``found_inf`` attribute ``torch.amp.GradScaler`` sets, but for a fused SGD
+    with momentum until each param has its buffer (its first step would leave
+    a skipped buffer uninitialised). A LARC steps the optimizer it wraps with a
+    trust ratio of its own, and reads the flag on the host.
+
+    Example::
+
+        >>> takes_found_inf(torch.optim.AdamW(model.parameters(), fused=True))
+        True
+        >>> takes_found_inf(torch.optim.SGD(model.parameters(), lr=0.1))
+        False
+    """
+    step_inputs = getattr(opt, STEP_INPUTS, _MISSING)
+    if isinstance(opt, LARC) or step_inputs is None:  # None: a subclass that opted out of them
+        return False
+    if callable(step_inputs):
+        return True
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        return False
+    # torch's fused SGD makes a param's momentum buffer uninitialised (empty_like) at its first
+    # step and fills it in the kernel, which a raised flag skips: the buffer would stay garbage.
+    # Until every buffer exists, its flag is read on the host.
+    return not (isinstance(opt, torch.optim.SGD) and any(
+        group["momentum"] != 0 and "momentum_buffer" not in opt.state.get(p, {})
+        for group in opt.param_groups for p in group["params"]))
+
+
+def _step_with_found_inf(opt: torch.optim.Optimizer, found_inf: Tensor, wrapped: Callable,
+                         args: tuple, kwargs: dict) -> Any:
+    """Call torch's fused step with the flag as ``torch.amp.GradScaler.step`` hands it: grads
+    already unscaled (``grad_scale`` None), ``found_inf`` on the params' device."""
+    device = next((p.device for g in opt.param_groups for p in g["params"]), found_inf.device)
+    opt.grad_scale = None  # type: ignore[attr-defined]
+    # 0-dim, as torch's scaler makes it: its fused kernels broadcast the flag into one.
+    opt.found_inf = found_inf.to(device, non_blocking=True).reshape(())  # type: ignore[attr-defined]
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        del opt.grad_scale, opt.found_inf  # type: ignore[attr-defined]
 
 
 def _drop_self(bound_or_function: Callable) -> Callable:

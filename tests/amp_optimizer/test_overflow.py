@@ -132,7 +132,7 @@ def test_collapse_raises_naming_the_parameter():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", min_loss_scale=2.0**15,
-                   verbosity=0)
+                   sync_free=False, verbosity=0)  # read at every exit (tests/test_sync_free.py)
     x, y = mlp_batch(0)
     with pytest.raises(LossScaleCollapseError, match=r"2\.bias"):
         for _ in range(3):
@@ -176,7 +176,8 @@ def test_static_scale_skips_are_bounded_and_the_error_names_the_parameter(caplog
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # bf16 at O2: the default static 1.0, checked because of the masters
-    amp.initialize(model, opt, opt_level="O2", max_consecutive_skips=3, verbosity=1)
+    amp.initialize(model, opt, opt_level="O2", max_consecutive_skips=3, sync_free=False,
+                   verbosity=1)
     before = snapshot([model], [opt])
     with caplog.at_level("INFO", logger="amp_patch"):
         _nan_every_step(model, opt, 3)

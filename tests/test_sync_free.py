@@ -1,0 +1,292 @@
+"""A training step with no host read (docs/design.md, "Host syncs").
+
+Sync-free (the default), ``scale_loss``'s exit updates the loss scale on the
+device and hands each optimizer its skip as a device flag; an optimizer that
+takes the flag as a tensor (torch's ``fused=True`` Adam, AdamW and SGD) skips
+on the device, so a whole iteration reads nothing on the host, overflow steps
+included. Any other optimizer reads the flag once, in ``step()``. What the host
+wants to know (the scale, the overflow message, a collapse) is read lazily.
+Training is bitwise the same as with ``sync_free=False``, which reads at every
+exit as Apex did.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import amp_patch as amp
+from amp_patch import session as amp_session
+from amp_patch.apex_compat.amp_state import LossScalerView
+from amp_patch.scaler import AmpScaler, LossScaleCollapseError
+from training_utils import assert_identical, count_device_reads, mlp, mlp_batch, snapshot, xent
+
+LEVELS = ["O0", "O1", "O2", "O3"]
+#: Iterations whose grads get an inf: the step is skipped and the scale halves.
+OVERFLOWS = (2, 5)
+STEPS = 7
+
+FUSED = {
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01,
+                                                    fused=True),
+    "sgd-fused": lambda params: torch.optim.SGD(params, lr=0.1, fused=True),
+}
+
+
+def _run(level, half, optimizer, sync_free, steps=STEPS):
+    """Train ``steps`` iterations; returns (device reads per iteration, final state, scale).
+
+    Overflows are injected where the level checks for them: not on bf16's fast path (static
+    scale 1.0, no masters), which checks nothing, as plain torch does not."""
+    overflows = OVERFLOWS if half == torch.float16 or level == "O2" else ()
+    model = mlp()
+    opt = optimizer(model.parameters())
+    amp.initialize(model, opt, opt_level=level, half_dtype=half, sync_free=sync_free,
+                   loss_scale="dynamic" if half == torch.float16 else None, verbosity=0)
+    reads = []
+    for step in range(steps):
+        x, y = mlp_batch(step)
+        with count_device_reads() as counted:
+            loss = xent(model(x), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+                if step in overflows:
+                    next(model.parameters()).grad.view(-1)[0] = float("inf")
+            opt.step()
+            opt.zero_grad()
+        reads.append(counted["n"])
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    state = snapshot([model], [opt])
+    amp.deinitialize()
+    return reads, state, scale
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("level", LEVELS)
+def test_no_host_read_with_fused_optimizers(level, half, name):
+    reads, state, scale = _run(level, half, FUSED[name], sync_free=True)
+    assert reads == [0] * STEPS
+    # The same training, bit for bit, as when the host reads the overflow at every exit.
+    host_reads, host_state, host_scale = _run(level, half, FUSED[name], sync_free=False)
+    assert_identical(state, host_state)
+    assert scale == host_scale
+    if half == torch.float16:
+        assert scale == 2.0**16 / 2 ** len(OVERFLOWS)
+        assert host_reads == [1] * STEPS  # Apex's one read per exit
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_other_optimizers_read_once_in_step(level):
+    """torch's SGD without ``fused`` cannot take the flag: it reads it in step(), once."""
+    make = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    reads, state, scale = _run(level, torch.float16, make, sync_free=True)
+    assert reads == [1] * STEPS
+    _, host_state, host_scale = _run(level, torch.float16, make, sync_free=False)
+    assert_identical(state, host_state)
+    assert scale == host_scale
+
+
+def test_fused_sgd_momentum_reads_the_flag_until_its_buffers_exist():
+    """torch's fused SGD leaves a new momentum buffer uninitialised when its first step is
+    skipped on the device: until the buffers exist, the flag is read on the host instead."""
+    make = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)  # noqa: E731
+    model = mlp()
+    opt = make(model.parameters())
+    amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
+    reads = []
+    for step in range(3):
+        with count_device_reads() as counted:
+            _iteration(model, opt, step, overflow=step == 0)
+        reads.append(counted["n"])
+    assert reads == [1, 1, 0]  # skipped (no buffer made), first step (made), then on the device
+    assert all(torch.isfinite(s["momentum_buffer"]).all() for s in opt.state.values())
+
+
+def _iteration(model, opt, step, overflow=False):
+    x, y = mlp_batch(step)
+    with amp.scale_loss(xent(model(x), y), opt) as scaled:
+        scaled.backward()
+        if overflow:
+            model[2].bias.grad[0] = float("nan")
+    opt.step()
+    opt.zero_grad()
+
+
+def test_skipped_step_changes_nothing_on_the_device():
+    """An overflowed step of a fused optimizer runs with the flag set and changes nothing:
+    params, moments and step counters (the fused kernels' own skip)."""
+    model = mlp()
+    opt = FUSED["adamw-fused"](model.parameters())
+    amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, verbosity=0)
+    for step in range(2):
+        x, y = mlp_batch(step)
+        with amp.scale_loss(xent(model(x), y), opt) as scaled:
+            scaled.backward()
+            if step == 1:
+                before = snapshot([model], [opt])
+                model[0].weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    assert_identical(snapshot([model], [opt]), before)
+
+
+def _overflowing_iteration(model, opt):
+    x, y = mlp_batch(0)
+    with amp.scale_loss(xent(model(x), y), opt) as scaled:
+        scaled.backward()
+        model[2].bias.grad[0] = float("nan")
+    opt.step()
+    opt.zero_grad()
+
+
+def test_overflow_message_comes_at_the_host_read(caplog):
+    model = mlp()
+    opt = FUSED["sgd-fused"](model.parameters())
+    amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale="dynamic",
+                   host_read_interval=3, verbosity=1)
+    message = "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to"
+    with caplog.at_level(logging.INFO, logger="amp_patch"):
+        caplog.clear()
+        _overflowing_iteration(model, opt)
+        assert not [r for r in caplog.records if message in r.getMessage()]
+        # Asking for the scale (Apex's _amp_state.loss_scalers[0].loss_scale()) reads it, and
+        # the message of the overflow comes with it.
+        assert LossScalerView(amp_session.current().scalers[0]).loss_scale() == 2.0**15
+        assert [r.getMessage() for r in caplog.records if message in r.getMessage()] == [
+            f"{message} 32768.0"]
+        caplog.clear()
+        for _ in range(3):  # the third update reads: two overflows since the last read
+            _overflowing_iteration(model, opt)
+        got = [r.getMessage() for r in caplog.records if message in r.getMessage()]
+    assert got == [f"{message} 4096.0 (3 overflows since the last read of the scale)"]
+
+
+def test_collapse_raises_at_the_next_host_read():
+    model = mlp()
+    opt = FUSED["sgd-fused"](model.parameters())
+    amp.initialize(model, opt, opt_level="O1", half_dtype=torch.float16, loss_scale="dynamic",
+                   min_loss_scale=2.0**15, host_read_interval=2, verbosity=0)
+    before = snapshot([model], [opt])
+    _overflowing_iteration(model, opt)  # 2**16 -> 2**15, the floor
+    with pytest.raises(LossScaleCollapseError, match=r"2\.bias"):
+        _overflowing_iteration(model, opt)  # would fall below: found now, at the second read
+    opt.step()  # whoever catches the collapse still does not step on these grads
+    assert_identical(snapshot([model], [opt]), before)
+
+
+def test_scaler_on_the_device_follows_the_host_rule():
+    """update_on_device and the host's reading of it give the rule of docs/design.md: halve on
+    overflow, double after scale_window clean updates, capped and floored."""
+    ours = AmpScaler("dynamic", max_loss_scale=2.0**17, host_read_interval=10**6)
+    ours.scale_window = 3
+    flags = [0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1]
+    expected, scale, clean = [], 2.0**16, 0
+    for hit in flags:
+        ours.device_tensors(torch.device("cpu")).found_inf.fill_(float(hit))
+        flag = ours.update_on_device()
+        assert flag is not None and flag.item() == float(hit)
+        if hit:
+            scale, clean = scale / 2, 0
+        else:
+            clean += 1
+            if clean == 3:
+                scale, clean = min(scale * 2, 2.0**17), 0
+        expected.append(scale)
+    assert ours._unread
+    assert ours.loss_scale == expected[-1]
+    assert ours.state_dict() == {"loss_scale": expected[-1], "unskipped": 0,
+                                 "skipped": 3, "dynamic": True, "consecutive_skips": 2}
+    assert ours.device_tensors(torch.device("cpu")).inv_scale.item() == 1 / expected[-1]
+
+
+def test_loaded_state_replaces_unread_updates():
+    scaler = AmpScaler("dynamic", host_read_interval=10**6)
+    scaler.device_tensors(torch.device("cpu")).found_inf.fill_(1.0)
+    scaler.update_on_device()
+    scaler.load_state_dict({"loss_scale": 512.0, "unskipped": 7})
+    assert scaler.state_dict()["loss_scale"] == 512.0 and scaler.state_dict()["unskipped"] == 7
+    scaler.update_on_device()
+    assert scaler.loss_scale == 512.0 and scaler.state_dict()["unskipped"] == 8
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "10"])
+def test_host_read_interval_is_validated(bad):
+    with pytest.raises(ValueError, match="host_read_interval"):
+        amp.initialize(mlp(), opt_level="O1", host_read_interval=bad, verbosity=0)
+
+
+def test_sync_free_is_validated():
+    with pytest.raises(ValueError, match="sync_free"):
+        amp.initialize(mlp(), opt_level="O1", sync_free="yes", verbosity=0)
+
+
+def _compiled_training(level, half, backend, steps=20, overflows=(3, 9)):
+    """Forward, loss and scale_loss (its exit included) in one compiled function with
+    ``fullgraph=True``; the optimizer steps after it. Returns (losses, final scale, graphs)."""
+    from torch._dynamo.utils import counters
+
+    model = mlp()
+    opt = FUSED["adamw-fused"](model.parameters())
+    amp.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0,
+                   loss_scale="dynamic" if half == torch.float16 else None)
+
+    def forward_backward(x, y, poison):
+        loss = xent(model(x), y) * poison
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    counters.clear()
+    step_fn = forward_backward if backend is None else torch.compile(
+        forward_backward, fullgraph=True, backend=backend)
+    losses = []
+    for step in range(steps):
+        x, y = mlp_batch(step)
+        # An inf loss where an overflow should be: a tensor input, so no recompile.
+        poison = torch.tensor(float("inf") if step in overflows else 1.0)
+        losses.append(step_fn(x, y, poison))
+        opt.step()
+        opt.zero_grad()
+    scale = amp_session.current().scalers[0].loss_scale
+    amp.deinitialize()
+    return torch.stack(losses), scale, counters["stats"]["unique_graphs"]
+
+
+_COMPILED = [pytest.param(level, half, marks=[] if (level, half) == ("O2", torch.float16)
+                          else [pytest.mark.slow], id=f"{level}-{str(half)[6:]}")
+             for level in ("O1", "O2", "O3") for half in (torch.float16, torch.bfloat16)]
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "trace_autograd_ops"),
+                    reason="this torch cannot trace backward() inside a compiled region")
+@pytest.mark.parametrize("level, half", _COMPILED)
+def test_step_compiles_whole_and_trains_as_eager(level, half):
+    """No host read is left in scale_loss, so it compiles into the forward's graph: no graph
+    break, one recompile (the scaler's device state made at the first update), and with
+    aot_eager (the same aten ops) the very losses and final scale of eager training."""
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled, scale, graphs = _compiled_training(level, half, "aot_eager")
+    eager, eager_scale, _ = _compiled_training(level, half, None)
+    assert graphs <= 2
+    assert torch.equal(compiled.nan_to_num(0.0, 0.0, 0.0), eager.nan_to_num(0.0, 0.0, 0.0))
+    assert scale == eager_scale
+    if half == torch.float16:
+        assert scale == 2.0**16 / 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "trace_autograd_ops"),
+                    reason="this torch cannot trace backward() inside a compiled region")
+def test_step_compiled_by_inductor_trains_as_eager():
+    """Inductor fuses and reorders fp32 arithmetic: the losses agree to fp32 rounding."""
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled, scale, graphs = _compiled_training("O2", torch.float16, "inductor")
+    eager, eager_scale, _ = _compiled_training("O2", torch.float16, None)
+    assert graphs <= 2 and scale == eager_scale
+    finite = torch.isfinite(eager)
+    assert torch.equal(finite, torch.isfinite(compiled))
+    torch.testing.assert_close(compiled[finite], eager[finite], rtol=1e-5, atol=1e-6)
