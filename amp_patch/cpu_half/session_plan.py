@@ -18,6 +18,7 @@ from amp_patch.cpu_half.detect import (
 from amp_patch.cpu_half.emulate import _emulator, targets
 from amp_patch.distributed import agree
 from amp_patch.dtypes import HALF_DTYPES, half_dtype_name
+from amp_patch.patching.dynamo import RULES as _DYNAMO_RULES
 from amp_patch.patching.patcher import Patcher
 
 # The settings own the modes; the names here stay public.
@@ -282,8 +283,20 @@ def install(props: Properties, models: list[torch.nn.Module],
             logger.debug("%s", p.describe())
         return p
     patcher = Patcher()
-    on_close("CPU half emulation", patcher.undo_all)
+    dynamo_rules = None  # dynamo's maps once the patches are in (see patching/dynamo.py)
+
+    def undo() -> None:
+        try:
+            patcher.undo_all()
+        finally:
+            _DYNAMO_RULES.drop_if_rebuilt(dynamo_rules)
+
+    on_close("CPU half emulation", undo)
     for namespace, _, name in targets(p.emulate_matmul, p.emulate_conv):
         patcher.patch(namespace, name, functools.partial(_emulator, dtype=p.half_dtype, name=name))
+    # As for O1's patches: torch.compile must keep knowing the functions emulated here, whatever
+    # the level (an O2/O3 session emulates with no O1 patches above), and maps that dynamo builds
+    # during the session must not outlive it with the emulating wrappers in them.
+    dynamo_rules = _DYNAMO_RULES.snapshot(patcher)
     logger.info("%s", p.describe())
     return p

@@ -652,3 +652,21 @@ def test_emulated_model_compiles_without_graph_breaks():
     amp.initialize(model, opt_level="O3", cpu_half_compute="emulate", verbosity=0)
     explanation = torch._dynamo.explain(model)(torch.randn(8, 16).bfloat16())
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_dynamo_knows_the_emulated_functions_in_and_after_a_session(level):
+    """torch.compile's maps hold torch's own functions, not the emulating wrappers, whatever
+    the level: an O2/O3 session emulates with no O1 patches above (docs/design.md, Layers)."""
+    from torch._dynamo import trace_rules
+
+    conv = torch.conv2d
+    trace_rules.clear_lru_cache()  # as if no compile had run in this process yet
+    with _force(BF16, False):
+        amp.initialize(nn.Linear(4, 4), opt_level=level, half_dtype=BF16, verbosity=0)
+    assert torch.conv2d is not conv and cpu_half.current_plan().emulate_conv
+    assert conv in trace_rules.get_torch_obj_rule_map()
+    trace_rules.clear_lru_cache()
+    assert conv not in trace_rules.get_torch_obj_rule_map()  # rebuilt from the patched torch
+    amp.deinitialize()
+    assert torch.conv2d is conv and conv in trace_rules.get_torch_obj_rule_map()
