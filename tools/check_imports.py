@@ -56,6 +56,33 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("amp_patch.cli.*", "amp_patch.__main__")),
 )
 
+#: What each layer of :data:`LAYERS` holds, by layer name: the last column of docs/design.md's
+#: layer table, which ``tools/layers_doc.py`` generates from the two.
+ROLES: dict[str, str] = {
+    "leaf helpers": "torch-only helpers: DTensor local shards, grouping tensor lists by "
+                    "(device, dtype), logging set-up, the compiled kernels, how they are "
+                    "built and loaded for the running torch, gloo teardown, verdicts every "
+                    "rank agrees on",
+    "settings": "the half dtypes and their names (and the names of the optimizer-state "
+                "precisions), the opt-level registry, the frozen `Properties` and their "
+                "validation (the CPU half modes among them)",
+    "ops": "the op schemas, their reference bodies (the lean optimizer ops' state codes and "
+           "stochastic rounding among them), the kernel loading",
+    "scaler": "`AmpScaler`: scale and overflow flag as device tensors, the update rule",
+    "optimizer machinery": "the fused optimizers and their state formats "
+                           "(`optimizers/state_format`); optimizer records, masters (fp32 or "
+                           "bf16), patched `step`/`zero_grad`, LARC",
+    "model casting": "O2/O3 casts and hooks; fitting FSDP2 states to the level",
+    "patching": "O1's lists, wrappers, patcher and cast state; CPU half detection and "
+                "emulation; O1's weight casts on FSDP2's all-gathered params",
+    "session": "`AmpSession`, the one global: what one `initialize` built, and its undo stack",
+    "front end": "`initialize`, `scale_loss`, `init` (Apex's handle API), `clip_grad_norm_`, "
+                 "checkpoints, the ranks' decision check (`AMP_PATCH_DEBUG_RANKS`)",
+    "apex_compat": "Apex's names as thin faces over the parts below",
+    "public names": "the `amp_patch` namespace, Apex's `multi_tensor_applier` included",
+    "cli": "the `amp-patch` command",
+}
+
 
 @dataclass(frozen=True)
 class Import:
