@@ -244,7 +244,7 @@ def report(names: list[str], sizes: dict[str, tuple[int, int]], records: dict[st
         "",
         table,
         "",
-        "### Targets (issue 24)",
+        "### Targets (docs/design.md)",
         "",
         common.markdown_table(["ratio", "target", "measured", "verdict", "host kind"],
                               target_rows),

@@ -115,7 +115,7 @@ step pytest 240 env AMP_PATCH_REQUIRE_EXT=1 python3 -m pytest "${pytest_args[@]}
 # 200 M parameters: at the CPU's default 20 M, torch's own fused AdamW took 3.3 times the
 # bandwidth floor on an H200, so the steps there measure host work, not the kernels.
 step optimizers 90 python3 benchmarks/bench_optimizers.py --device cuda --repeats 5 --params 2e8
-# Lean optimizer state in training (issue 24's targets on the GPU): the benchmark LM at O2 in
+# Lean optimizer state in training (L1-L3 of docs/design.md on the GPU): the benchmark LM at O2 in
 # bf16, every optimizer_state/master_weights row against O2's fp32 state and masters.
 step lean 120 python3 benchmarks/bench_lean_state.py --device cuda --rounds 5 --steps 4
 step e2e 90 python3 benchmarks/bench_e2e.py --device cuda --half-dtype fp16 --rounds 3 --steps 2

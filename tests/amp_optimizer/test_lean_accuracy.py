@@ -1,4 +1,4 @@
-"""The lean optimizer state trains the LM to within 1% of O2's final loss (issue 24's tolerance).
+"""The lean optimizer state trains the LM to within 1% of O2's final loss (docs/lean_state.md, Accuracy).
 
 The compare LM (``amp_patch.cli.models.lm`` with ``FusedAdam``), made smaller
 so that four runs fit in about a minute on two CPU cores: ``d_model=128``,

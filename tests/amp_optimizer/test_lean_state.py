@@ -1,4 +1,4 @@
-"""Low-precision optimizer state and bf16 masters keep every amp guarantee (issue 24, item 3).
+"""Low-precision optimizer state and bf16 masters keep every amp guarantee (docs/lean_state.md).
 
 For every ``optimizer_state`` (fp32, bf16, int8, fp8) and, at O2, every
 ``master_weights`` (True, "bf16", False), with FusedAdam (AdamW and Adam's L2

@@ -352,7 +352,7 @@ for _loop in LOOPS:
 # --------------------------------------------------------------------------- lean optimizer state
 
 
-#: FSDP2 with low-precision optimizer state (issue 24): setting -> (optimizer, its arguments,
+#: FSDP2 with low-precision optimizer state (docs/lean_state.md): setting -> (optimizer, its arguments,
 #: optimizer_state, master_weights).
 LEAN = {
     "adamw-int8-mwbf16": ("FusedAdam", dict(lr=1e-2, weight_decay=0.01), "int8", "bf16"),

@@ -67,7 +67,7 @@ def test_ranks_agree_and_match_one_process(loop, strategy, level, tmp_path_facto
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(_loop_cases.LEAN))
 def test_fsdp2_shards_lean_optimizer_state(setting, tmp_path_factory):
-    """Low-precision optimizer state on FSDP2 (issue 24): the ops step the local shards, codes
+    """Low-precision optimizer state on FSDP2 (docs/lean_state.md): the ops step the local shards, codes
     and scales are DTensors sharded on dim 0, an overflow on one rank changes no bit on any,
     and a DCP checkpoint resumes bit for bit."""
     _check(f"lean:fsdp2:{setting}", tmp_path_factory)
