@@ -432,19 +432,25 @@ class AmpScaler:
         flag = flags[0] if len(flags) == 1 else torch.stack(
             [f.to(flags[0].device, non_blocking=True) for f in flags]).amax(0)
         flag = _all_reduce_max(flag)
-        overflow = (flag != 0).reshape(())
         state = self._home(flag.device)
-        state.copy_(self._next_state(state, overflow))
-        self._write_scale_tensors(state[_SCALE], self._devices.values())
+        home = self._devices.get(flag.device)
+        if home is None:  # the flags met on a device with no tensors of its own (nccl's)
+            home = _DeviceTensors(flag.device, 1.0)
+        overflow = torch.empty(1, dtype=torch.float32, device=flag.device)
+        self._step_state(state, home, flag, overflow)
+        others = [d for d in self._devices.values() if d is not home]
+        if others:
+            self._write_scale_tensors(state[_SCALE], others)
         for f in flags:
-            f.zero_()
+            if f is not flag:
+                f.zero_()
         self._unread = True
         self._nonfinite_names = nonfinite_names
         if not torch.compiler.is_compiling():
             self._since_read += 1
             if self._since_read >= self.host_read_interval:
                 self.sync()
-        return overflow.to(torch.float32).reshape(1)
+        return overflow
 
     def update(self, nonfinite_names: Callable[[], list[str]] | None = None) -> bool:
         """Update (:meth:`update_on_device`) and read the result on the host at once (one sync).
@@ -503,30 +509,18 @@ class AmpScaler:
         if unread:
             self._log_overflows(unread)
 
-    def _next_state(self, state: Tensor, overflow: Tensor) -> Tensor:
-        """The update rule as tensor ops: the state after an update with ``overflow`` (0-dim
-        bool). The mirror's :meth:`_clean_update_on_host` is its no-overflow case."""
-        scale, unskipped, skipped, consecutive, _, unread, collapsed = state.unbind()
-        hit = overflow.to(state.dtype)
-        clean = 1.0 - hit
-        unskipped = (unskipped + 1.0) * clean
-        consecutive = (consecutive + 1.0) * hit
-        if self.dynamic:
-            floor = DEFAULT_MIN_LOSS_SCALE if self.min_loss_scale is None else self.min_loss_scale
-            grow = unskipped >= self.scale_window
-            halved = scale * 0.5
-            collapse = overflow & (halved < floor)
-            if self.min_loss_scale is not None:
-                collapse = collapse & (scale <= floor)
-            next_scale = torch.where(
-                overflow, torch.where(collapse, scale, halved.clamp(min=floor)),
-                torch.where(grow, (scale * 2.0).clamp(max=self.max_loss_scale), scale))
-            unskipped = torch.where(grow, torch.zeros_like(unskipped), unskipped)
-        else:
-            collapse = overflow & (consecutive > self.max_consecutive_skips)
-            next_scale = scale
-        return torch.stack([next_scale, unskipped, skipped + hit, consecutive, hit, unread + hit,
-                            torch.maximum(collapsed, collapse.to(state.dtype))])
+    def _step_state(self, state: Tensor, home: _DeviceTensors, flag: Tensor,
+                    overflow: Tensor) -> None:
+        """One fused update of the device state (:func:`amp_patch.ops.loss_scale_update_`):
+        ``home``'s ``inv_scale`` and ``scale`` written, ``flag`` read and cleared, the
+        overflow written into ``overflow``. The host's :meth:`_clean_update_on_host` is its
+        no-overflow case."""
+        floor = DEFAULT_MIN_LOSS_SCALE if self.min_loss_scale is None else self.min_loss_scale
+        ops.loss_scale_update_(state, home.inv_scale, home.scale, flag, overflow,
+                               scale_window=float(self.scale_window), floor=floor,
+                               floor_is_min=self.min_loss_scale is not None,
+                               max_scale=self.max_loss_scale, dynamic=self.dynamic,
+                               max_consecutive=float(self.max_consecutive_skips))
 
     def _clean_update_on_host(self) -> None:
         """An update with no flag anywhere (nothing was checked): a clean iteration, counted on

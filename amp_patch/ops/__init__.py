@@ -46,6 +46,7 @@ from amp_patch.ops.optimizer_ops import (
     multi_tensor_sgd_,
 )
 from amp_patch.ops.scaling_ops import (
+    loss_scale_update_,
     multi_tensor_axpby_,
     multi_tensor_copy_,
     multi_tensor_l2norm,
@@ -64,6 +65,7 @@ __all__ = [
     "multi_tensor_copy_",
     "multi_tensor_unscale_l2norm",
     "update_scale_hysteresis",
+    "loss_scale_update_",
     # fused optimizer steps
     "multi_tensor_adam_",
     "multi_tensor_sgd_",

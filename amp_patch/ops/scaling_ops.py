@@ -30,7 +30,12 @@ __all__ = [
     "multi_tensor_copy_",
     "multi_tensor_unscale_l2norm",
     "update_scale_hysteresis",
+    "loss_scale_update_",
+    "LOSS_SCALE_FIELDS",
 ]
+
+#: The float64 fields of :func:`loss_scale_update_`'s state, in order.
+LOSS_SCALE_FIELDS = ("scale", "clean", "skipped", "consecutive", "overflow", "unread", "collapsed")
 
 _SCHEMAS = {
     "multi_tensor_unscale_": (
@@ -55,6 +60,11 @@ _SCHEMAS = {
         "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, "
         "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
         "float backoff_factor, int growth_interval, int hysteresis) -> ()"
+    ),
+    "loss_scale_update_": (
+        "loss_scale_update_(Tensor(a!) state, Tensor(b!) inv_scale, Tensor(c!) scale, "
+        "Tensor(d!) found_inf, Tensor(e!) overflow, float scale_window, float floor, "
+        "bool floor_is_min, float max_scale, bool dynamic, float max_consecutive) -> ()"
     ),
 }
 
@@ -141,6 +151,35 @@ def _update_scale_hysteresis_ref(current_scale: Tensor, growth_tracker: Tensor,
     hysteresis_tracker.copy_(new_hyst)
 
 
+def _loss_scale_update_ref(state: Tensor, inv_scale: Tensor, scale: Tensor, found_inf: Tensor,
+                           overflow: Tensor, scale_window: float, floor: float,
+                           floor_is_min: bool, max_scale: float, dynamic: bool,
+                           max_consecutive: float) -> None:
+    # The branches of csrc/scale_update.h as masks, so nothing is read back to the host.
+    s, clean, skipped, consecutive, _, unread, collapsed = state.unbind()
+    hit = found_inf.reshape(()) != 0
+    h = hit.to(state.dtype)
+    clean = (clean + 1.0) * (1.0 - h)
+    consecutive = (consecutive + 1.0) * h
+    if dynamic:
+        halved = s * 0.5
+        collapse = hit & (halved < floor)
+        if floor_is_min:
+            collapse = collapse & (s <= floor)
+        grow = clean >= scale_window
+        s = torch.where(hit, torch.where(collapse, s, halved.clamp(min=floor)),
+                        torch.where(grow, (s * 2.0).clamp(max=max_scale), s))
+        clean = torch.where(grow, torch.zeros_like(clean), clean)
+    else:
+        collapse = hit & (consecutive > max_consecutive)
+    state.copy_(torch.stack([s, clean, skipped + h, consecutive, h, unread + h,
+                             torch.maximum(collapsed, collapse.to(state.dtype))]))
+    inv_scale.copy_((1.0 / s).to(torch.float32))
+    scale.copy_(s.to(torch.float32))
+    overflow.copy_(h.to(torch.float32))
+    found_inf.zero_()
+
+
 def _copy_ref(src: list[Tensor], dst: list[Tensor]) -> None:
     _check_rows("multi_tensor_copy_", src=src, dst=dst)
     _check_no_overlap("multi_tensor_copy_", "dst", dst, "src", src)
@@ -170,6 +209,7 @@ _REFERENCE: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "multi_tensor_copy_": (_copy_ref, _no_output_fake),
     "multi_tensor_unscale_l2norm": (_unscale_l2norm_ref, _unscale_l2norm_fake),
     "update_scale_hysteresis": (_update_scale_hysteresis_ref, _no_output_fake),
+    "loss_scale_update_": (_loss_scale_update_ref, _no_output_fake),
 }
 register(_SCHEMAS, {name: body for name, (body, _) in _REFERENCE.items()},
          {name: fake for name, (_, fake) in _REFERENCE.items()})
@@ -340,3 +380,46 @@ def update_scale_hysteresis(current_scale: Tensor, growth_tracker: Tensor, hyste
     """
     _ops.update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
                                  growth_factor, backoff_factor, growth_interval, hysteresis)
+
+
+def loss_scale_update_(state: Tensor, inv_scale: Tensor, scale: Tensor, found_inf: Tensor,
+                       overflow: Tensor, *, scale_window: float, floor: float,
+                       floor_is_min: bool, max_scale: float, dynamic: bool,
+                       max_consecutive: float) -> None:
+    """One update of amp's loss scale, on the device (:meth:`amp_patch.scaler.AmpScaler.update_on_device`).
+
+    ``state`` holds :data:`LOSS_SCALE_FIELDS` in float64. An overflow
+    (``found_inf`` non-zero, NaN included) halves a dynamic scale, not below
+    ``floor``; an overflow that would take it below (or, with ``floor_is_min``,
+    one at the floor) is a collapse, and the scale holds. ``scale_window`` clean
+    updates double it, up to ``max_scale``. A static scale holds, and more than
+    ``max_consecutive`` overflows in a row are a collapse. The counts follow,
+    ``inv_scale`` (``1 / scale`` in float64, rounded once) and ``scale`` (fp32)
+    are written, ``overflow`` receives this update's flag and ``found_inf`` is
+    cleared. Nothing is read back to the host.
+
+    Args:
+        state (Tensor): float64, 7 elements, updated in place.
+        inv_scale (Tensor): one-element float32, written.
+        scale (Tensor): one-element (or 0-dim) float32, written.
+        found_inf (Tensor): one-element float32 flag, read, then cleared.
+        overflow (Tensor): one-element float32, written with 1.0 on overflow, else 0.0.
+        scale_window (float): clean updates before a dynamic scale doubles.
+        floor (float): the floor of a dynamic scale.
+        floor_is_min (bool): the floor is the user's ``min_loss_scale`` (reachable).
+        max_scale (float): the ceiling of a dynamic scale.
+        dynamic (bool): dynamic or static scaling.
+        max_consecutive (float): a static scale's overflows in a row allowed.
+
+    Example::
+
+        >>> state = torch.tensor([65536.0, 0, 0, 0, 0, 0, 0], dtype=torch.float64)
+        >>> inv, scale, flag, out = torch.ones(1), torch.ones(()), torch.ones(1), torch.zeros(1)
+        >>> loss_scale_update_(state, inv, scale, flag, out, scale_window=2000, floor=2.0**-24,
+        ...                    floor_is_min=False, max_scale=2.0**24, dynamic=True,
+        ...                    max_consecutive=50)
+        >>> scale.item(), out.item(), flag.item()
+        (32768.0, 1.0, 0.0)
+    """
+    _ops.loss_scale_update_(state, inv_scale, scale, found_inf, overflow, scale_window, floor,
+                            floor_is_min, max_scale, dynamic, max_consecutive)

@@ -182,6 +182,17 @@ void update_scale_hysteresis_cpu(const at::Tensor& current_scale, const at::Tens
       {growth_factor, backoff_factor, growth_interval, hysteresis});
 }
 
+void loss_scale_update_cpu(const at::Tensor& state, const at::Tensor& inv_scale,
+                           const at::Tensor& scale, const at::Tensor& found_inf,
+                           const at::Tensor& overflow, double scale_window, double floor,
+                           bool floor_is_min, double max_scale, bool dynamic,
+                           double max_consecutive) {
+  constexpr const char* op = "loss_scale_update_";
+  check_cpu(state, op, "state");
+  loss_scale_update_step(loss_scale_pointers(op, state, inv_scale, scale, found_inf, overflow),
+                         {scale_window, floor, floor_is_min, max_scale, dynamic, max_consecutive});
+}
+
 }  // namespace
 
 const KernelTable& kernels() {
@@ -202,4 +213,5 @@ TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
   m.impl("multi_tensor_copy_", &amp_patch::cpu::copy_cpu);
   m.impl("multi_tensor_unscale_l2norm", &amp_patch::cpu::unscale_l2norm_cpu);
   m.impl("update_scale_hysteresis", &amp_patch::cpu::update_scale_hysteresis_cpu);
+  m.impl("loss_scale_update_", &amp_patch::cpu::loss_scale_update_cpu);
 }

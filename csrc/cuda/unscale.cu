@@ -115,6 +115,28 @@ void update_scale_hysteresis_cuda(
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// amp's loss-scale update (scale_update.h), one thread, so that nothing is read
+// back to the host.
+__global__ void loss_scale_update_kernel(LossScalePointers p, LossScaleConfig config) {
+  loss_scale_update_step(p, config);
+}
+
+void loss_scale_update_cuda(const at::Tensor& state, const at::Tensor& inv_scale,
+                            const at::Tensor& scale, const at::Tensor& found_inf,
+                            const at::Tensor& overflow, double scale_window, double floor,
+                            bool floor_is_min, double max_scale, bool dynamic,
+                            double max_consecutive) {
+  constexpr const char* op = "loss_scale_update_";
+  AMP_CHECK(state.is_cuda(), "amp_patch::", op, ": state must be a CUDA tensor, got ",
+            state.device());
+  const LossScalePointers p = loss_scale_pointers(op, state, inv_scale, scale, found_inf, overflow);
+  const c10::cuda::CUDAGuard guard(state.device());
+  const LossScaleConfig config{scale_window, floor, floor_is_min, max_scale, dynamic,
+                               max_consecutive};
+  loss_scale_update_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(p, config);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace amp_patch::cuda
 
@@ -122,4 +144,5 @@ TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
   m.impl("multi_tensor_unscale_", &amp_patch::cuda::multi_tensor_unscale_cuda);
   m.impl("multi_tensor_unscale_copy_", &amp_patch::cuda::multi_tensor_unscale_copy_cuda);
   m.impl("update_scale_hysteresis", &amp_patch::cuda::update_scale_hysteresis_cuda);
+  m.impl("loss_scale_update_", &amp_patch::cuda::loss_scale_update_cuda);
 }

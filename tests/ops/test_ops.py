@@ -286,6 +286,75 @@ def test_update_scale_hysteresis_checks_its_state(device):
         ops.update_scale_hysteresis(torch.ones(2, device=device), growth, hyst, _flag(device), 2.0, 0.5, 3, 2)
 
 
+def _loss_scale_tensors(device, scale, found=1.0):
+    """state, inv_scale, scale, found_inf, overflow for loss_scale_update_."""
+    state = torch.tensor([scale, 0, 0, 0, 0, 0, 0], dtype=torch.float64, device=device)
+    return (state, _flag(device), torch.zeros((), device=device), _flag(device, found),
+            _flag(device))
+
+
+_LOSS_SCALE_CONFIGS = [  # scale_window, floor, floor_is_min, max_scale, dynamic, max_consecutive
+    (3.0, 2.0**-24, False, 2.0**17, True, 50.0),
+    (1.0, 2.0**10, True, 2.0**24, True, 50.0),    # a user's floor, reached and then collapsing
+    (2000.0, 2.0**13, False, 2.0**16, True, 50.0),  # halves below the floor collapse at once
+    (3.0, 2.0**-24, False, 2.0**24, False, 2.0),  # static: three overflows in a row collapse
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", range(len(_LOSS_SCALE_CONFIGS)))
+def test_loss_scale_update_matches_reference(device, config):
+    """The fused update and its reference body agree to the bit at every step of a random flag
+    sequence (NaN, inf and negative flags count as overflows), every field and output."""
+    args = _LOSS_SCALE_CONFIGS[config]
+    gen = torch.Generator().manual_seed(config)
+    flags = [0.0, 1.0, float("nan"), -1.0, float("inf")]
+    weights = torch.tensor([8.0, 2.0, 0.5, 0.5, 0.5])
+    got = _loss_scale_tensors(device, 65536.0 if args[4] else 4.0, 0.0)
+    want = tuple(t.clone() for t in got)
+    for step in range(200):
+        value = flags[int(torch.multinomial(weights, 1, generator=gen))]
+        got[3].fill_(value), want[3].fill_(value)
+        ops.loss_scale_update_(*got, scale_window=args[0], floor=args[1], floor_is_min=args[2],
+                               max_scale=args[3], dynamic=args[4], max_consecutive=args[5])
+        scaling_ops._loss_scale_update_ref(*want, *args)
+        for g, w, name in zip(got, want, ["state", "inv_scale", "scale", "found_inf", "overflow"]):
+            assert torch.equal(g, w), f"step {step} (flag {value}): {name} {g} != {w}"
+        assert got[3].item() == 0.0 and got[4].item() == float(value != 0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loss_scale_update_rules(device):
+    state, inv, scale, found, overflow = _loss_scale_tensors(device, 4.0, 0.0)
+
+    def step(flag):
+        found.fill_(flag)
+        ops.loss_scale_update_(state, inv, scale, found, overflow, scale_window=2.0, floor=1.0,
+                               floor_is_min=True, max_scale=8.0, dynamic=True,
+                               max_consecutive=50.0)
+        return state.tolist()
+
+    assert step(0.0) == [4.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert step(0.0) == [8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]   # the window: doubled
+    assert step(0.0) == [8.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert step(0.0) == [8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]   # capped at max_scale
+    assert step(1.0) == [4.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]   # halved, counted
+    assert (inv.item(), scale.item(), overflow.item()) == (0.25, 4.0, 1.0)
+    step(1.0), step(1.0)
+    assert step(1.0) == [1.0, 0.0, 4.0, 4.0, 1.0, 4.0, 1.0]   # at the floor, one more collapses
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loss_scale_update_checks_its_tensors(device):
+    state, inv, scale, found, overflow = _loss_scale_tensors(device, 4.0)
+    kwargs = dict(scale_window=2.0, floor=1.0, floor_is_min=True, max_scale=8.0, dynamic=True,
+                  max_consecutive=50.0)
+    with pytest.raises(RuntimeError, match="state must be a contiguous float64 tensor of 7"):
+        ops.loss_scale_update_(state.float(), inv, scale, found, overflow, **kwargs)
+    with pytest.raises(RuntimeError, match="overflow must be a one-element float32 tensor"):
+        ops.loss_scale_update_(state, inv, scale, found, torch.zeros(2, device=device), **kwargs)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_lists(device):
     found_inf = _flag(device)
@@ -501,6 +570,8 @@ def _opcheck_args(name, device):
         "update_scale_hysteresis": (_flag(device, 1024.0), torch.zeros(1, dtype=torch.int32, device=device),
                                     torch.full((1,), 2, dtype=torch.int32, device=device), _flag(device, 1.0),
                                     2.0, 0.5, 100, 2),
+        "loss_scale_update_": (*_loss_scale_tensors(device, 1024.0), 2000.0, 2.0**-24, False,
+                               2.0**24, True, 50.0),
     }[name]
 
 
