@@ -19,7 +19,10 @@ import torch
 
 import amp_patch as amp
 from amp_patch import session as amp_session
+from amp_patch.amp_optimizer.patched_methods import host_reads_per_step
 from amp_patch.apex_compat.amp_state import LossScalerView
+from amp_patch.cli import doctor
+from amp_patch.optimizers import FusedAdam, FusedSGD
 from amp_patch.scaler import AmpScaler, LossScaleCollapseError
 from training_utils import assert_identical, count_device_reads, mlp, mlp_batch, snapshot, xent
 
@@ -87,6 +90,25 @@ def test_other_optimizers_read_once_in_step(level):
     _, host_state, host_scale = _run(level, torch.float16, make, sync_free=False)
     assert_identical(state, host_state)
     assert scale == host_scale
+
+
+_READERS = {
+    "torch-adamw-fused": FUSED["adamw-fused"],
+    "torch-sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "fused-adam": lambda params: FusedAdam(params, lr=1e-2),
+    "fused-sgd": lambda params: FusedSGD(params, lr=0.1, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_READERS))
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_reads_per_step_are_what_doctor_says(level, name):
+    """host_reads_per_step (amp-patch doctor's 'host syncs' row) is what an iteration reads."""
+    reads, _, _ = _run(level, torch.float16, _READERS[name], sync_free=True)
+    model = mlp()
+    expected = host_reads_per_step(_READERS[name](model.parameters()))
+    assert reads[1:] == [expected] * (STEPS - 1)
+    assert f"{expected} per step" in doctor._host_syncs()
 
 
 def test_fused_sgd_momentum_reads_the_flag_until_its_buffers_exist():
@@ -290,3 +312,85 @@ def test_step_compiled_by_inductor_trains_as_eager():
     finite = torch.isfinite(eager)
     assert torch.equal(finite, torch.isfinite(compiled))
     torch.testing.assert_close(compiled[finite], eager[finite], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ CUDA
+
+_NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+
+
+@_NEEDS_CUDA
+@pytest.mark.parametrize("level", LEVELS)
+def test_cuda_step_passes_sync_debug_mode_error(level):
+    """On CUDA, torch's sync debug mode turns any host sync into an error: a whole iteration,
+    overflow included, passes under it."""
+    model = mlp().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp.initialize(model, opt, opt_level=level, half_dtype=torch.float16, verbosity=0)
+    batches = [tuple(t.cuda() for t in mlp_batch(step)) for step in range(4)]
+    for step, (x, y) in enumerate(batches):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with amp.scale_loss(xent(model(x), y) * (float("inf") if step == 2 else 1.0),
+                                opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert amp_session.current().scalers[0].loss_scale == 2.0**15
+
+
+def _graph_training(capture: bool, steps: int = 12, overflows=(4, 9)):
+    """O2 fp16 on CUDA, torch's AdamW(fused=True, capturable=True): the whole iteration (forward,
+    backward, scale_loss, step) captured in one CUDA graph and replayed, or run eagerly."""
+    model = mlp().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="cuda"),
+                            fused=True, capturable=True)
+    amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
+    x, y = (t.cuda() for t in mlp_batch(0))
+    poison = torch.ones((), device="cuda")
+    loss_out = torch.zeros((), device="cuda")
+
+    def iteration():
+        loss = xent(model(x), y) * poison
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        loss_out.copy_(loss.detach())
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture: the state is made here
+        for _ in range(3):
+            iteration()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    if capture:
+        with torch.cuda.graph(graph):
+            iteration()
+    losses = []
+    for step in range(steps):
+        x.copy_(mlp_batch(step)[0].cuda())
+        y.copy_(mlp_batch(step)[1].cuda())
+        poison.fill_(float("inf") if step in overflows else 1.0)
+        graph.replay() if capture else iteration()
+        losses.append(loss_out.clone())
+    torch.cuda.synchronize()
+    scale = amp_session.current().scalers[0].loss_scale
+    state = snapshot([model], [opt])
+    amp.deinitialize()
+    return torch.stack(losses), scale, state
+
+
+@_NEEDS_CUDA
+def test_cuda_graph_captures_the_whole_step():
+    """Nothing in the iteration reads the host, so one CUDA graph holds all of it, and its
+    replays train as eager iterations do, overflow steps included (docs/design.md, "Host
+    syncs")."""
+    replayed, scale, state = _graph_training(capture=True)
+    eager, eager_scale, eager_state = _graph_training(capture=False)
+    assert scale == eager_scale == 2.0**16 / 4
+    assert torch.equal(replayed.nan_to_num(0.0, 0.0, 0.0), eager.nan_to_num(0.0, 0.0, 0.0))
+    assert_identical(state, eager_state)

@@ -36,7 +36,7 @@ from amp_patch.optimizers import FusedStepInputs
 if TYPE_CHECKING:
     from amp_patch.amp_optimizer.master_weights import MasterWeights
 
-__all__ = ["PatchedMethods", "StepRecord", "STEP_INPUTS", "takes_found_inf"]
+__all__ = ["PatchedMethods", "StepRecord", "STEP_INPUTS", "takes_found_inf", "host_reads_per_step"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -259,6 +259,25 @@ def takes_found_inf(opt: torch.optim.Optimizer) -> bool:
     return not (isinstance(opt, torch.optim.SGD) and any(
         group["momentum"] != 0 and "momentum_buffer" not in opt.state.get(p, {})
         for group in opt.param_groups for p in group["params"]))
+
+
+def host_reads_per_step(opt: torch.optim.Optimizer) -> int:
+    """How many times a sync-free ``step()`` of ``opt`` reads the overflow flag on the host.
+
+    0 for an optimizer that takes the flag and skips on the device without
+    reading it (torch's fused Adam, AdamW and SGD); 1 for one that takes it but
+    reads it for its host step counters (amp_patch's fused optimizers,
+    ``READS_FOUND_INF``), and for any other optimizer, which is skipped by not
+    being called.
+
+    Example::
+
+        >>> host_reads_per_step(torch.optim.AdamW(model.parameters(), fused=True))
+        0
+        >>> host_reads_per_step(torch.optim.SGD(model.parameters(), lr=0.1))
+        1
+    """
+    return int(not takes_found_inf(opt) or getattr(opt, "READS_FOUND_INF", False))
 
 
 def _step_with_found_inf(opt: torch.optim.Optimizer, found_inf: Tensor, wrapped: Callable,

@@ -136,6 +136,23 @@ def _autocast() -> str:
     return f"bf16: {cost.describe()}; {verdict}"
 
 
+def _host_syncs() -> str:
+    """Which optimizers a sync-free iteration reads the overflow flag for (docs/design.md,
+    "Host syncs"), from the same test the step uses."""
+    from amp_patch.amp_optimizer.patched_methods import host_reads_per_step
+    from amp_patch.optimizers import FusedAdam
+
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    optimizers = {
+        "torch Adam/AdamW/SGD(fused=True)": torch.optim.AdamW(params, fused=True),
+        "amp_patch FusedAdam/FusedSGD/FusedLAMB": FusedAdam(params),
+        "other torch optimizers, LARC": torch.optim.SGD(params, lr=0.1),
+    }
+    return "; ".join(f"{name}: {host_reads_per_step(opt)} per step"
+                     for name, opt in optimizers.items()) + (
+        " (sync_free=False: 1 per scale_loss exit, whatever the optimizer)")
+
+
 def _import_hook() -> str:
     from amp_patch.apex_compat.import_hook import ApexFinder
 
@@ -187,6 +204,7 @@ def report() -> str:
         ("JIT cache",
          f"{_native.cache_root()} (AMP_PATCH_JIT={os.environ.get('AMP_PATCH_JIT', '1')})"),
         ("import hook", _import_hook()),
+        ("host syncs", _host_syncs()),
         ("environment", " ".join(f"{k}={v}" for k, v in knobs.items()) or "no AMP_PATCH_* set"),
     ]
     width = max(len(name) for name, _ in rows) + 2

@@ -122,6 +122,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     _KEEP_SAVED_DTYPE: tuple[str, ...] = ("master_param",)
     #: Whether the optimizer takes low-precision state (:meth:`set_state_format`).
     LEAN_STATE = False
+    #: Whether ``step()`` reads its step inputs' ``found_inf`` on the host (one sync): the
+    #: step counters, which set the bias corrections, live on the host (:meth:`_step_skipped`).
+    READS_FOUND_INF = True
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, set_grad_none: bool,
                  master_weights: bool = False, state_format: str | StateFormat = "fp32") -> None:
