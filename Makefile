@@ -8,6 +8,10 @@
 #   make lint            ruff and mypy alone
 #   make bench           kernel, end-to-end and lean-state benchmarks -> docs/benchmarks.md
 #   make check-cuda      compile the CUDA kernels against a CUDA build of torch (no GPU needed)
+#   make test-hosts      the host-sensitive tests (tests/cli, tests/cpu_half, timm's resume) under
+#                        each CPU host kind, native, conv-only and none, forced by oneDNN's and
+#                        ATen's ISA caps (amp_patch.cpu_half.FORCED_KIND_ENV; docs/install.md);
+#                        run it when a change touches those paths (slow; not part of `make test`)
 #   make test-matrix     the suite on torch 2.6.0, 2.9.1, 2.13.0 and 2.14.1, one venv each, cached
 #                        outside the checkout (TORCH_VERSIONS="2.6.0 2.14.1" for fewer; slow,
 #                        several GB per version; not part of `make test`)
@@ -37,7 +41,7 @@ endif
 EXT_SOURCES := setup.py pyproject.toml amp_patch/_buildspec.py $(shell find csrc -type f 2>/dev/null)
 EXT_STAMP := build/.ext-stamp-$(subst /,_,$(PYTHON))
 
-.PHONY: demo test test-fast lint test-matrix bench check-cuda install clean
+.PHONY: demo test test-fast test-hosts lint test-matrix bench check-cuda install clean
 
 # OpenNMT-py (tests/apex_compat/test_opennmt.py) goes last, with the pinned torch as a constraint so that
 # nothing can replace it; if it cannot be installed, the venv stays as it is and the test skips.
@@ -79,6 +83,22 @@ test: install lint
 
 test-fast: install lint
 	AMP_PATCH_REQUIRE_EXT=1 $(PYTHON) -m pytest -q -m "not slow"
+
+# Each kind in a fresh environment (the caps are read once, when torch loads); a cap only lowers a
+# host, so on an AVX2 host all three runs are of the none kind: the line before each run says
+# which kind the detection found. HOST_KINDS="conv-only" runs one; HOST_TESTS picks the tests.
+HOST_KINDS ?= native conv-only none
+HOST_TESTS ?= tests/cli tests/cpu_half tests/apex_compat/test_timm_apex.py
+test-hosts: install
+	@set -e; for kind in $(HOST_KINDS); do \
+		caps=$$($(PYTHON) -c "import sys; from amp_patch.cpu_half import FORCED_KIND_ENV as e; \
+			print(' '.join(f'{k}={v}' for k, v in e[sys.argv[1]].items()))" $$kind); \
+		found=$$(env -u ONEDNN_MAX_CPU_ISA -u ATEN_CPU_CAPABILITY -u AMP_PATCH_CPU_HALF_NATIVE $$caps \
+			$(PYTHON) -c "import amp_patch; print(amp_patch.cpu_half_support().bfloat16.kind)"); \
+		echo "test-hosts: $$kind ($${caps:-no caps}): the detection finds bf16 host kind $$found"; \
+		env -u ONEDNN_MAX_CPU_ISA -u ATEN_CPU_CAPABILITY -u AMP_PATCH_CPU_HALF_NATIVE $$caps \
+			AMP_PATCH_REQUIRE_EXT=1 $(PYTHON) -m pytest -q $(HOST_TESTS); \
+	done
 
 # tools/test_matrix.sh: a venv per torch version under ~/.cache/amp_patch/venvs (MATRIX_DIR).
 TORCH_VERSIONS ?=
