@@ -35,6 +35,8 @@ FUSED = {
     "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01,
                                                     fused=True),
     "sgd-fused": lambda params: torch.optim.SGD(params, lr=0.1, fused=True),
+    # amp_patch's FusedAdam (fp32 state): its step counters and bias corrections on the device.
+    "fused-adam": lambda params: FusedAdam(params, lr=1e-2, weight_decay=0.01),
 }
 
 
@@ -62,20 +64,25 @@ def _run(level, half, optimizer, sync_free, steps=STEPS):
         reads.append(counted["n"])
     scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
     state = snapshot([model], [opt])
+    # Group step counters (amp_patch's fused optimizers; a device tensor when kept there).
+    steps = [int(g["step"].item() if isinstance(g.get("step"), torch.Tensor) else g.get("step", 0))
+             for g in opt.param_groups]
     amp.deinitialize()
-    return reads, state, scale
+    return reads, state, scale, steps
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_no_host_read_with_fused_optimizers(level, half, name):
-    reads, state, scale = _run(level, half, FUSED[name], sync_free=True)
+    reads, state, scale, steps = _run(level, half, FUSED[name], sync_free=True)
     assert reads == [0] * STEPS
     # The same training, bit for bit, as when the host reads the overflow at every exit.
-    host_reads, host_state, host_scale = _run(level, half, FUSED[name], sync_free=False)
+    host_reads, host_state, host_scale, host_steps = _run(level, half, FUSED[name],
+                                                          sync_free=False)
     assert_identical(state, host_state)
     assert scale == host_scale
+    assert steps == host_steps  # the group step counters: skipped steps not counted
     if half == torch.float16:
         assert scale == 2.0**16 / 2 ** len(OVERFLOWS)
         assert host_reads == [1] * STEPS  # Apex's one read per exit
@@ -85,9 +92,9 @@ def test_no_host_read_with_fused_optimizers(level, half, name):
 def test_other_optimizers_read_once_in_step(level):
     """torch's SGD without ``fused`` cannot take the flag: it reads it in step(), once."""
     make = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
-    reads, state, scale = _run(level, torch.float16, make, sync_free=True)
+    reads, state, scale, _ = _run(level, torch.float16, make, sync_free=True)
     assert reads == [1] * STEPS
-    _, host_state, host_scale = _run(level, torch.float16, make, sync_free=False)
+    _, host_state, host_scale, _ = _run(level, torch.float16, make, sync_free=False)
     assert_identical(state, host_state)
     assert scale == host_scale
 
@@ -104,11 +111,12 @@ _READERS = {
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_reads_per_step_are_what_doctor_says(level, name):
     """host_reads_per_step (amp-patch doctor's 'host syncs' row) is what an iteration reads."""
-    reads, _, _ = _run(level, torch.float16, _READERS[name], sync_free=True)
+    reads, _, _, _ = _run(level, torch.float16, _READERS[name], sync_free=True)
     model = mlp()
     expected = host_reads_per_step(_READERS[name](model.parameters()))
     assert reads[1:] == [expected] * (STEPS - 1)
-    assert f"{expected} per step" in doctor._host_syncs()
+    assert expected == (0 if name in ("torch-adamw-fused", "fused-adam") else 1)
+    assert "amp_patch FusedAdam (fp32 state): 0 per step" in doctor._host_syncs()
 
 
 def test_fused_sgd_momentum_reads_the_flag_until_its_buffers_exist():

@@ -128,6 +128,9 @@ class FusedAdam2019(FusedAdam):
 
     __signature__ = None  # the constructor's own, below
 
+    #: Its step size folds the host step's bias corrections in (eps, decay): it reads the flag.
+    READS_FOUND_INF = True
+
     def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0,

@@ -38,6 +38,7 @@ from amp_patch.ops.lean_state_ops import (
     multi_tensor_sgd_lean_,
 )
 from amp_patch.ops.optimizer_ops import (
+    adam_bias_corrections,
     multi_tensor_adagrad_,
     multi_tensor_adam_,
     multi_tensor_lamb_stage1_,
@@ -68,6 +69,7 @@ __all__ = [
     "loss_scale_update_",
     # fused optimizer steps
     "multi_tensor_adam_",
+    "adam_bias_corrections",
     "multi_tensor_sgd_",
     "multi_tensor_adagrad_",
     "multi_tensor_novograd_",

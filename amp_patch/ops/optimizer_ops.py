@@ -29,6 +29,7 @@ from torch import Tensor
 from amp_patch.ops._library import _check_rows, _ops, register
 
 __all__ = [
+    "adam_bias_corrections",
     "multi_tensor_adam_",
     "multi_tensor_sgd_",
     "multi_tensor_adagrad_",
@@ -42,7 +43,7 @@ _OPTIM_SCHEMAS = {
         "multi_tensor_adam_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] model_params, Tensor? noop, Tensor? inv_scale, "
         "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-        "bool adam_w_mode, bool bias_correction) -> ()"
+        "bool adam_w_mode, bool bias_correction, Tensor? bias_corrections=None) -> ()"
     ),
     "multi_tensor_sgd_": (
         "multi_tensor_sgd_(Tensor[] grads, Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, "
@@ -158,12 +159,16 @@ def _adam_constants(beta1: float, beta2: float, lr: float, eps: float, weight_de
 
 
 def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scale, lr, beta1,
-              beta2, eps, weight_decay, step, adam_w_mode, bias_correction) -> None:
+              beta2, eps, weight_decay, step, adam_w_mode, bias_correction,
+              bias_corrections=None) -> None:
     _check_rows("multi_tensor_adam_", grads=grads, params=params, exp_avgs=exp_avgs,
                 exp_avg_sqs=exp_avg_sqs, model_params=model_params or None)
     keep = _keep(noop)
     b1, b2, c1, c2, bc1, bc2, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay,
                                                             step, bias_correction)
+    if bias_corrections is not None:
+        _check_bias_corrections(bias_corrections, params)
+        bc1, bc2 = bias_corrections.tolist()  # the reference reads them on the host
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
@@ -173,6 +178,45 @@ def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scal
         p = p - lr * u
         _commit(keep, (params[i], p), (exp_avgs[i], m), (exp_avg_sqs[i], v),
                 *_out(model_params, i, p))
+
+
+def _check_bias_corrections(bc: Tensor, params: Sequence[Tensor]) -> None:
+    if bc.dtype != torch.float32 or bc.numel() != 2:
+        raise RuntimeError("amp_patch::multi_tensor_adam_: bias_corrections must be a contiguous "
+                           f"float32 tensor of 2 elements (bc1, bc2), got {bc.dtype} with "
+                           f"{bc.numel()} elements")
+    if params and params[0].device != bc.device:
+        raise RuntimeError(f"amp_patch::multi_tensor_adam_: bias_corrections is on {bc.device} "
+                           f"but params are on {params[0].device}")
+
+
+def adam_bias_corrections(beta1: float, beta2: float, step: Tensor, enabled: bool) -> Tensor:
+    """Adam's two bias corrections ``1 - beta**step`` from a step counter kept on the device.
+
+    Computed as the kernels compute them from a host step (float64, the betas
+    rounded to fp32 first, then rounded once to fp32), with tensor ops on the
+    counter's device, so that nothing is read back to the host.
+
+    Args:
+        beta1 (float): the first moment's decay.
+        beta2 (float): the second moment's decay.
+        step (Tensor): the step number (from 1), one element, any dtype.
+        enabled (bool): False gives ``(1, 1)``.
+
+    Returns:
+        Tensor: float32, ``(bc1, bc2)``, on ``step``'s device.
+
+    Example::
+
+        >>> adam_bias_corrections(0.9, 0.999, torch.tensor([1]), True)
+        tensor([0.1000, 0.0010])
+    """
+    if not enabled:
+        return torch.ones(2, dtype=torch.float32, device=step.device)
+    # Rounded to fp32 by the tensor itself: no host read, even of a host tensor.
+    betas = torch.tensor([beta1, beta2], dtype=torch.float32).double().to(
+        step.device, non_blocking=True)
+    return (1.0 - betas.pow(step.reshape(1).double())).float()
 
 
 def _check_sgd_lists(op: str, grads, params, momentum_buffers, model_params,
@@ -362,7 +406,7 @@ def multi_tensor_adam_(
     grads: list[Tensor], params: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
     model_params: list[Tensor], noop: Tensor | None, inv_scale: Tensor | None, *, lr: float,
     beta1: float, beta2: float, eps: float, weight_decay: float, step: int, adam_w_mode: bool = True,
-    bias_correction: bool = True,
+    bias_correction: bool = True, bias_corrections: Tensor | None = None,
 ) -> None:
     """One Adam / AdamW step over lists of tensors, in one pass (Apex's ``multi_tensor_adam``).
 
@@ -389,6 +433,12 @@ def multi_tensor_adam_(
         adam_w_mode (bool, optional): decoupled weight decay (AdamW) rather than L2.
             Default: True.
         bias_correction (bool, optional): Default: True.
+        bias_corrections (Tensor, optional): ``(bc1, bc2)`` as a float32 tensor on the
+            params' device, in place of those of ``step``
+            (:func:`adam_bias_corrections` of a step counter kept on the device):
+            the kernels read them on the device, so a step whose counter must not
+            be read on the host (a skip decided on the device) needs no sync.
+            Default: None.
 
     Example::
 
@@ -396,7 +446,8 @@ def multi_tensor_adam_(
         ...                        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
     """
     _ops.multi_tensor_adam_(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scale,
-                            lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction)
+                            lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction,
+                            bias_corrections)
 
 
 def multi_tensor_sgd_(

@@ -263,7 +263,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         loss = self._closure_loss(closure)
         with self._grad_scaler_inputs():
-            if not self._step_skipped():
+            if self._skips_on_device() or not self._step_skipped():
                 self._fused_step()
         return loss
 
@@ -408,6 +408,31 @@ class FusedOptimizer(torch.optim.Optimizer):
         params to round stochastically."""
         return self.state_format.is_lean or (
             self.stochastic_rounding and any(p.dtype == torch.bfloat16 for p in b.params))
+
+    def _skips_on_device(self) -> bool:
+        """Whether this step takes its inputs' ``found_inf`` on the device unread: the kernels
+        skip on it, and the step counters (:meth:`_device_step`) stay on the device."""
+        inputs = self._inputs
+        return inputs is not None and inputs.found_inf is not None and not self.READS_FOUND_INF
+
+    def _device_step(self, group: dict[str, Any]) -> Tensor:
+        """Advance the group's step counter on the device, unless ``found_inf`` is set (no read).
+
+        The counter becomes Apex's capturable layout, an int32 tensor of one
+        element on the group's device, the first time; it advances by
+        ``found_inf == 0``, so a skipped step leaves it as it was.
+
+        Returns:
+            Tensor: the counter after this step.
+        """
+        step = group.get("step")
+        device = group["params"][0].device
+        if not isinstance(step, Tensor):
+            step = group["step"] = torch.tensor([step or 0], dtype=torch.int32, device=device)
+        assert self._inputs is not None and self._inputs.found_inf is not None
+        found = self._inputs.found_inf.to(step.device, non_blocking=True)
+        step.add_(found.reshape(step.shape) == 0)
+        return step
 
     def _step_skipped(self) -> bool:
         """Whether the step inputs' ``found_inf`` is set: then ``step()`` changes nothing.

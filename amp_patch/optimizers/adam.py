@@ -130,22 +130,39 @@ class FusedAdam(FusedOptimizer):
                                "torch.optim.Adam, and call step() with no arguments.")
         return super().step(closure)
 
+    @property
+    def READS_FOUND_INF(self) -> bool:  # type: ignore[override]  # noqa: N802 (the base's name)
+        """False for the fp32-state step: it keeps its step counters on the device and takes
+        its bias corrections from there, so a skip decided on the device is never read.
+        The lean ops (low-precision state, stochastic rounding) and ``capturable`` (whose
+        ``lr`` is read) still read the flag on the host."""
+        return self.capturable or self.state_format.is_lean or self.stochastic_rounding
+
     def _fused_step(self) -> None:
+        on_device = self._skips_on_device()
         for group in self.param_groups:
             if not group["params"]:
                 continue
-            step = self._next_step(group)
-            self._adam_group(group, step, lr=self._scalar(group["lr"]), eps=group["eps"],
-                             weight_decay=group["weight_decay"],
-                             bias_correction=bool(group["bias_correction"]))
+            hyper = dict(lr=self._scalar(group["lr"]), eps=group["eps"],
+                         weight_decay=group["weight_decay"],
+                         bias_correction=bool(group["bias_correction"]))
+            if on_device:
+                beta1, beta2 = group["betas"]
+                corrections = ops.adam_bias_corrections(beta1, beta2, self._device_step(group),
+                                                        hyper["bias_correction"])
+                self._adam_group(group, 0, **hyper, bias_corrections=corrections)
+            else:
+                self._adam_group(group, self._next_step(group), **hyper)
 
     def _adam_group(self, group: dict[str, Any], step: int, *, lr: float, eps: float,
                     weight_decay: float, bias_correction: bool,
-                    inv_scale: torch.Tensor | None = None) -> None:
+                    inv_scale: torch.Tensor | None = None,
+                    bias_corrections: torch.Tensor | None = None) -> None:
         """The op calls of one group's step, one per batch, with these hyper-parameters.
 
         ``inv_scale``, when given, replaces the step inputs' own (a clipping
-        factor folded in, say).
+        factor folded in, say); ``bias_corrections`` (on the params' device)
+        replace those of ``step`` (the fp32-state op only).
         """
         beta1, beta2 = group["betas"]
         fmt = self.state_format
@@ -163,7 +180,8 @@ class FusedAdam(FusedOptimizer):
             m_codes, v_codes = local_tensors([c for c, _ in m]), local_tensors([c for c, _ in v])
             if not self._lean_step(b):
                 ops.multi_tensor_adam_(grads, params, m_codes, v_codes,
-                                       local_tensors(b.model_params), b.noop, inv, **hyper)
+                                       local_tensors(b.model_params), b.noop, inv, **hyper,
+                                       bias_corrections=_on(bias_corrections, b.device))
                 continue
             ops.multi_tensor_adam_lean_(
                 grads, params, m_codes, local_tensors(lean_scales(m)), v_codes,

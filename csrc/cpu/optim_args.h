@@ -104,15 +104,44 @@ struct Flags {
   const std::optional<at::Tensor>& inv_scale;
 };
 
+// Adam's bias corrections given as a tensor (bc1, bc2 in fp32, made on the
+// device from a step counter kept there): on the CPU they are read here, into
+// the hyper-parameters; on an accelerator the kernel reads them, and the
+// pointer is returned. Null without the tensor.
+inline const float* device_bias_corrections(const char* op,
+                                            const std::optional<at::Tensor>& bias_corrections,
+                                            at::TensorList params, AdamHyper& h) {
+  if (!bias_corrections.has_value()) {
+    return nullptr;
+  }
+  const at::Tensor& bc = *bias_corrections;
+  AMP_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == 2 && bc.is_contiguous(), "amp_patch::",
+            op, ": bias_corrections must be a contiguous float32 tensor of 2 elements (bc1, bc2), "
+            "got ", bc.scalar_type(), " with ", bc.numel(), " elements");
+  AMP_CHECK(params.empty() || params[0].device() == bc.device(), "amp_patch::", op,
+            ": bias_corrections is on ", bc.device(), " but params are on ", params[0].device());
+  if (!bc.is_cpu()) {
+    return bc.const_data_ptr<float>();
+  }
+  const float* values = bc.const_data_ptr<float>();
+  h.bias_correction1 = values[0];
+  h.bias_correction2 = values[1];
+  return nullptr;
+}
+
 template <typename B>
 void adam_op(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
              at::TensorList exp_avg_sqs, at::TensorList model_params,
              const std::optional<at::Tensor>& noop, const std::optional<at::Tensor>& inv_scale,
              double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
-             bool adam_w_mode, bool bias_correction_on) {
-  B::adam("multi_tensor_adam_", adam_lists(grads, params, exp_avgs, exp_avg_sqs, model_params),
-          Flags{noop, inv_scale},
-          adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction_on));
+             bool adam_w_mode, bool bias_correction_on,
+             const std::optional<at::Tensor>& bias_corrections) {
+  constexpr const char* op = "multi_tensor_adam_";
+  AdamHyper h =
+      adam_hyper(lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction_on);
+  const float* device_bc = device_bias_corrections(op, bias_corrections, params, h);
+  B::adam(op, adam_lists(grads, params, exp_avgs, exp_avg_sqs, model_params),
+          Flags{noop, inv_scale}, h, device_bc);
 }
 
 template <typename B>

@@ -648,8 +648,9 @@ struct CpuBackend {
 
   // Rows of fp32 params and moments (fp32 masters, or an fp32 model) go to
   // adam_mixed in one pass over the whole piece; the rest through fp32 tiles.
+  // device_bc is always null here: CPU bias corrections are read into the hyper-parameters.
   static void adam(const char* op, const optim::Lists<5>& lists, const optim::Flags& flags,
-                   const optim::AdamHyper& hyper) {
+                   const optim::AdamHyper& hyper, const float* /*device_bc*/ = nullptr) {
     RowPlan plan(op, lists);
     const optim::AdamHyper h = scaled(hyper, flags, op);
     if (step_skipped(flags.noop, op)) {

@@ -69,10 +69,32 @@ struct NovoGradDenom {
   }
 };
 
+// Adam with its bias corrections read on the device (made there from a step
+// counter kept there, so the host never reads it): each thread takes them once
+// per chunk, before the sweep (SweepOp calls prepare).
+struct AdamDeviceBcHyper : optim::AdamHyper {
+  const float* bc;
+};
+
+struct AdamDeviceBcRule {
+  __device__ static void prepare(AdamDeviceBcHyper& h) {
+    h.bias_correction1 = h.bc[0];
+    h.bias_correction2 = h.bc[1];
+  }
+  __device__ static void apply(float* r, const AdamDeviceBcHyper& h, float value) {
+    AdamRule::apply(r, h, value);
+  }
+};
+
 // The CUDA side of the single-sweep ops of optim_args.h.
 struct CudaSweeps {
   static void adam(const char* op, const optim::Lists<5>& lists, const optim::Flags& flags,
-                   const optim::AdamHyper& h) {
+                   const optim::AdamHyper& h, const float* device_bc = nullptr) {
+    if (device_bc != nullptr) {
+      run_sweep<AdamDeviceBcRule, 0b01111u, 0b11110u>(op, lists, flags,
+                                                      AdamDeviceBcHyper{h, device_bc});
+      return;
+    }
     run_sweep<AdamRule, 0b01111u, 0b11110u>(op, lists, flags, h);
   }
 

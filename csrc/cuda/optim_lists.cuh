@@ -153,6 +153,9 @@ struct SweepOp {
     }
     Hyper hh = h;
     hh.inv_scale = common.scale();
+    if constexpr (requires(Hyper& x) { Rule::prepare(x); }) {
+      Rule::prepare(hh);  // hyper-parameters that live on the device (AdamDeviceBcRule)
+    }
     const float value = per_tensor(tensor_of(c));
     sweep_chunk<Depth, Read, Written>(c, common.dt, [&](float* r) { Rule::apply(r, hh, value); });
   }

@@ -277,6 +277,39 @@ def test_clear_noop_flag_is_a_normal_step(device, op):
     _assert_lists_equal([a for a in got if isinstance(a, list)], [a for a in want if isinstance(a, list)])
 
 
+# ------------------------------------------------- bias corrections from the device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("step", [1, 2, 7, 1000, 123457])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_adam_device_bias_corrections_equal_the_host_step(device, step, bias_correction):
+    """Bias corrections made on the device from a step counter kept there (no host read) give
+    the very step of the host's int, in the kernel and in the reference."""
+    name, args = _adam_args("mixed", "master", device, bias_correction=bias_correction, step=step)
+    counter = torch.tensor([step], dtype=torch.int32, device=device)
+    corrections = ops.adam_bias_corrections(0.9, 0.999, counter, bias_correction)
+    assert corrections.device == counter.device and corrections.dtype == torch.float32
+    from_device = list(args[:12]) + [0] + list(args[13:]) + [corrections]
+    got, _, _, _ = _run_both(name, from_device)
+    want, _, _, _ = _run_both(name, args)
+    _assert_lists_equal([a for a in got if isinstance(a, list)],
+                        [a for a in want if isinstance(a, list)])
+    ref = clone_args(list(from_device))
+    optimizer_ops._OPTIM_REFERENCE[name](*ref)
+    _assert_lists_equal([a for a in ref if isinstance(a, list)],
+                        [a for a in want if isinstance(a, list)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_bias_corrections_are_checked(device):
+    name, args = _adam_args("mixed", "master", device)
+    for bad, match in [(torch.ones(3, device=device), "2 elements"),
+                       (torch.ones(2, dtype=torch.float64, device=device), "float32")]:
+        with pytest.raises(RuntimeError, match=match):
+            getattr(torch.ops.amp_patch, name)(*args, bad)
+
+
 # ------------------------------------------------------------ one-pass O2 contract
 
 @pytest.mark.parametrize("device", DEVICES)
