@@ -102,6 +102,13 @@ NOT_RUN: dict[str, str] = {
 }
 
 
+#: Docstring examples that start processes, by doctest name: marked slow, as the tests that
+#: do are, so that ``make test-fast`` (``-m "not slow"``) leaves them out.
+SLOW: dict[str, str] = {
+    "amp_patch.cli.round_robin.LevelPool": "starts a worker process per level",
+    "amp_patch.cli.doctor.report": "runs the compiler to read its version",
+}
+
 _PACKAGE = Path(__file__).resolve().parent / "amp_patch"
 
 
@@ -127,6 +134,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             reason = _reason(item.name)
             if reason is not None:
                 item.add_marker(pytest.mark.skip(reason=f"docstring example not run: {reason}"))
+            if item.name in SLOW:
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

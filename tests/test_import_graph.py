@@ -39,11 +39,13 @@ def test_the_package_imports_one_way_without_cycles():
     assert check_imports.check(ROOT / "amp_patch") == []
 
 
+@pytest.mark.slow
 def test_the_script_passes_from_the_command_line():
     done = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_an_upward_import_fails(package_copy: Path):
     target = package_copy / "tensors.py"
     target.write_text(target.read_text() + "\nfrom amp_patch import session\n")

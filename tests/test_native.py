@@ -108,6 +108,7 @@ def test_cache_root_follows_xdg(monkeypatch, tmp_path):
     assert _native.cache_root() == os.path.join(str(tmp_path), "amp_patch")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, why", [
     ({"AMP_PATCH_JIT": "0"}, "AMP_PATCH_JIT=0"),
     ({"CXX": "/nonexistent/c++"}, "no C++ compiler"),

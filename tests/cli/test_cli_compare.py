@@ -122,6 +122,7 @@ def broken_under_o3(device="cpu", seed=0):
 """
 
 
+@pytest.mark.slow
 def test_compare_user_factory_and_json_plot_paths(tmp_path):
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
     proc = _compare(tmp_path, "--model", "user_models:make", "--steps", "3", "--levels", "O0",
@@ -198,6 +199,7 @@ def test_compare_leaves_autocast_out_when_forced_not_native(monkeypatch, capsys)
     assert "torch.autocast is left out" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_compare_failing_level_exits_nonzero_and_shows_error(tmp_path):
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
     proc = _compare(tmp_path, "--model", "user_models:broken_under_o3", "--steps", "2",
@@ -216,6 +218,7 @@ def test_compare_invalid_level_is_a_usage_error(capsys):
     assert "O4" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compare_bad_model_path_exits_2_before_any_process(tmp_path):
     proc = _compare(tmp_path, "--model", "nosuchmodule_xyz:make", "--steps", "1", "--levels", "O0")
     assert proc.returncode == 2
@@ -291,6 +294,7 @@ def test_compare_usage_errors_exit_2(args, message, tmp_path, monkeypatch, capsy
     sys.modules.pop("user_models", None)
 
 
+@pytest.mark.slow
 def test_compare_plain_progress_lines_when_not_a_terminal(tmp_path):
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
     proc = _compare(tmp_path, "--model", "user_models:make", "--steps", "4", "--levels", "O0", "O2",
@@ -337,6 +341,7 @@ def test_lm_optimizer_choices():
         models.lm(fused=True, fused_adam=True, **tiny)
 
 
+@pytest.mark.slow
 def test_level_models_build_another_workload_for_some_levels():
     spec = round_robin.JobSpec("mlp", batch_size=4, level_models=(("O2", "convnet"),))
     records = round_robin.measure(spec, ["O0", "O2"], warmup=1, rounds=[])
@@ -351,6 +356,7 @@ def test_resolve_rejects_unknown_names():
         models.resolve("resnet")
 
 
+@pytest.mark.slow
 def test_help_has_examples():
     proc = subprocess.run([sys.executable, "-m", "amp_patch", "--help"], capture_output=True,
                           text=True, cwd=ROOT)
@@ -408,6 +414,7 @@ def test_reliability_warnings():
     assert host_facts.oversubscribed(2, 2) is None
 
 
+@pytest.mark.slow
 def test_load_monitor_counts_other_processes():
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -662,6 +669,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_shard_points_the_optimizer_at_the_sharded_parameters(tmp_path):
     """--strategy fsdp2's recipe in a one-rank group: each batch norm and each block a group."""
     if not cpu_fsdp_supported():
@@ -702,6 +710,7 @@ def test_compare_ranks_on_cuda_use_nccl_and_a_gpu_each(tmp_path):
         assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
 
 
+@pytest.mark.slow
 def test_a_level_that_died_between_chunks_fails_alone(tmp_path, monkeypatch):
     """Its pipe is broken when the next chunk is asked for: the level fails, compare goes on."""
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))

@@ -94,6 +94,7 @@ def test_level_trainer_says_why_a_preset_is_unavailable():
     t.close()
 
 
+@pytest.mark.slow
 def test_job_presets_are_rows_of_a_measure():
     """A benchmark's own preset runs in a level process and reports its optimizer times."""
     grid = trainer.Preset("O2-bf16", "O2", (("optimizer_state", "bf16"),), "bf16 moments")
@@ -121,6 +122,7 @@ def make(device="cpu", seed=0):
 """
 
 
+@pytest.mark.slow
 def test_compare_skips_o2_lean_for_a_torch_optimizer(tmp_path):
     (tmp_path / "user_models.py").write_text(textwrap.dedent(FACTORY))
     proc = subprocess.run([sys.executable, "-m", "amp_patch", "compare", "--model",

@@ -314,6 +314,7 @@ def _run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_says_once_what_it_maps(tmp_path):
     (tmp_path / "s.py").write_text(textwrap.dedent("""
         import torch
@@ -334,6 +335,7 @@ def test_cli_says_once_what_it_maps(tmp_path):
     assert proc.returncode == 0 and "ok True cpu torch.float16" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_unmapped_call_names_it(tmp_path):
     (tmp_path / "s.py").write_text("import torch\ntorch.cuda.max_memory_allocated()\n")
     proc = _run_cli(tmp_path, "--device", "cpu", "s.py")

@@ -26,6 +26,7 @@ def _rows(text: str) -> dict[str, str]:
     return rows
 
 
+@pytest.mark.slow
 def test_doctor_reports_versions_kernels_and_hook(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
@@ -41,11 +42,13 @@ def test_doctor_reports_versions_kernels_and_hook(capsys):
     assert rows["import hook"].startswith("inactive")
 
 
+@pytest.mark.slow
 def test_doctor_sees_the_import_hook():
     with apex_import_hook():
         assert _rows(doctor.report())["import hook"].startswith("active")
 
 
+@pytest.mark.slow
 def test_doctor_names_the_reference_ops_and_why():
     env = dict(os.environ, AMP_PATCH_NO_EXT="1", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "amp_patch", "doctor"], env=env, cwd=ROOT,
@@ -59,6 +62,7 @@ def test_doctor_names_the_reference_ops_and_why():
     assert "AMP_PATCH_NO_EXT=1" in rows["environment"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("answer, says, runs", [
     (cpu_half.DtypeSupport(True, True, True, 0.5, 0.6), "runs its bf16 matmuls natively", True),
     (cpu_half.DtypeSupport(True, False, True, 2.8, 1.9), "take 2.8x fp32's time on this host "

@@ -53,6 +53,7 @@ def test_unsupported_names_fail_at_import_naming_them(stmt, name):
     assert isinstance(exc.value, import_hook.ApexUnsupportedError)
 
 
+@pytest.mark.slow
 def test_run_script_with_argv_and_unsupported_message(tmp_path):
     proc = _run(tmp_path, """
         import sys
@@ -67,6 +68,7 @@ def test_run_script_with_argv_and_unsupported_message(tmp_path):
     assert "apex.contrib.multihead_attn is not supported by amp_patch" in proc.stderr
 
 
+@pytest.mark.slow
 def test_run_summarises_names_the_script_fell_back_from(tmp_path):
     proc = _run(tmp_path, """
         try:
@@ -89,11 +91,13 @@ def test_run_summarises_names_the_script_fell_back_from(tmp_path):
         "without them): apex.contrib.multihead_attn, fused_layer_norm_cuda")
 
 
+@pytest.mark.slow
 def test_run_propagates_exit_code(tmp_path):
     proc = _run(tmp_path, "import sys; sys.exit(3)")
     assert proc.returncode == 3
 
 
+@pytest.mark.slow
 def test_run_missing_script(tmp_path):
     from amp_patch.cli.options import UsageError
     from amp_patch.cli.run import run_script

@@ -23,6 +23,7 @@ def _example(name: str, *args: str) -> str:
     return _run(sys.executable, str(EXAMPLES / name), *args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_clip_grad(level):
     out = _example("clip_grad.py", "--opt-level", level, "--steps", "3", "--max-norm", "0.1")
@@ -31,6 +32,7 @@ def test_clip_grad(level):
         assert float(after) <= 0.1 + 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_grad_accumulation_matches_full_batch(level):
     out = _example("grad_accumulation.py", "--opt-level", level, "--steps", "2", "--accum", "3")
@@ -39,22 +41,26 @@ def test_grad_accumulation_matches_full_batch(level):
     assert "each over 3 accumulated micro-batches" in out
 
 
+@pytest.mark.slow
 def test_grad_penalty():
     out = _example("grad_penalty.py", "--steps", "3")
     assert "gradient-norm penalty" in out and "grad norm" in out
 
 
+@pytest.mark.slow
 def test_multiple_models_losses():
     out = _example("multiple_models_losses.py", "--steps", "3")
     assert "3 models, 2 optimizers, 2 losses" in out
 
 
+@pytest.mark.slow
 def test_bf16_cpu():
     out = _example("bf16_cpu.py", "--steps", "2", "--width", "64")
     assert "O2: weights torch.bfloat16" in out and "stepped params torch.float32" in out
     assert "O3: weights torch.bfloat16" in out and "every level ran with a static scale" in out
 
 
+@pytest.mark.slow
 def test_ddp_single_process():
     out = _example("ddp_torchrun.py", "--steps", "2")
     assert "1 process(es), 2 steps; max weight difference across ranks 0" in out

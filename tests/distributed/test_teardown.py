@@ -71,6 +71,7 @@ def test_close_without_a_group_is_torchs_error():
         close_process_group()
 
 
+@pytest.mark.slow
 def test_close_after_ddp_backward_leaves_the_workers_asleep(tmp_path):
     # One rank, a real gloo group: DDP's backward launches all-reduces on gloo's workers.
     script = textwrap.dedent(f"""

@@ -601,6 +601,7 @@ def _run_python(code, **env):
                           cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_reference_serves_when_extension_absent():
     proc = _run_python(
         """
@@ -623,6 +624,7 @@ def test_reference_serves_when_extension_absent():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_every_cpu_isa_matches_reference(capability):
     """Forcing torch onto a lower ISA (ATEN_CPU_CAPABILITY) selects our matching loops."""

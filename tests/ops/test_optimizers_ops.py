@@ -412,6 +412,7 @@ def test_cuda_kernels_serve_every_optimizer_op():
         assert ops.has_native_kernel("cuda", name), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_every_cpu_isa_matches_reference(capability):
     """Forcing torch onto a lower ISA (ATEN_CPU_CAPABILITY) selects the matching optimizer loops."""
