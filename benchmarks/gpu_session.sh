@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 BUDGET=${BUDGET:-480}
-STEPS=${STEPS:-"env install gpu_models resources kernels pytest optimizers lean e2e compare"}
+STEPS=${STEPS:-"env install gpu_models capture resources kernels pytest optimizers lean e2e compare"}
 START=$SECONDS
 failed=()
 summary=()
@@ -97,6 +97,10 @@ fi
 # ResNet-50 in fp16 only (14 rows, each a fresh process; estimated, not yet timed on a GPU: 5-10 s a row).
 step gpu_models 150 python3 benchmarks/bench_gpu_models.py --device cuda --warmup 3 --steps 6 \
   --grid gpt2:fp16 gpt2:bf16 resnet50:fp16
+# G3: the whole O2 step (forward, backward, scale_loss, FusedAdam) as one CUDA graph against
+# the same step run eagerly, on the 21 M-param LM; tests/test_sync_free.py's CUDA cases (in
+# the pytest step) check that the replays train as eager steps do.
+step capture 60 python3 benchmarks/bench_graph_capture.py --device cuda --rounds 5 --steps 20
 if command -v cuobjdump >/dev/null; then
   step resources 20 cuobjdump --dump-resource-usage "$(python3 -c 'import amp_patch._C as m; print(m.__file__)')"
 fi

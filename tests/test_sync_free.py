@@ -71,6 +71,7 @@ def _run(level, half, optimizer, sync_free, steps=STEPS):
     return reads, state, scale, steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FUSED))
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("level", LEVELS)
@@ -349,12 +350,13 @@ def test_cuda_step_passes_sync_debug_mode_error(level):
     assert amp_session.current().scalers[0].loss_scale == 2.0**15
 
 
-def _graph_training(capture: bool, steps: int = 12, overflows=(4, 9)):
-    """O2 fp16 on CUDA, torch's AdamW(fused=True, capturable=True): the whole iteration (forward,
-    backward, scale_loss, step) captured in one CUDA graph and replayed, or run eagerly."""
+def _graph_training(capture: bool, steps: int = 12, overflows=(4, 9), optimizer=None):
+    """O2 fp16 on CUDA, torch's AdamW(fused=True, capturable=True) unless ``optimizer`` makes
+    another: the whole iteration (forward, backward, scale_loss, step) captured in one CUDA
+    graph and replayed, or run eagerly."""
     model = mlp().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="cuda"),
-                            fused=True, capturable=True)
+    opt = optimizer(model.parameters()) if optimizer is not None else torch.optim.AdamW(
+        model.parameters(), lr=torch.tensor(1e-2, device="cuda"), fused=True, capturable=True)
     amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0)
     x, y = (t.cuda() for t in mlp_batch(0))
     poison = torch.ones((), device="cuda")
@@ -399,6 +401,18 @@ def test_cuda_graph_captures_the_whole_step():
     syncs")."""
     replayed, scale, state = _graph_training(capture=True)
     eager, eager_scale, eager_state = _graph_training(capture=False)
+    assert scale == eager_scale == 2.0**16 / 4
+    assert torch.equal(replayed.nan_to_num(0.0, 0.0, 0.0), eager.nan_to_num(0.0, 0.0, 0.0))
+    assert_identical(state, eager_state)
+
+
+@_NEEDS_CUDA
+def test_cuda_graph_captures_the_step_of_amp_patch_fused_adam():
+    """The same with amp_patch's FusedAdam (fp32 state), whose step counters and bias
+    corrections stay on the device: its step is inside the graph too."""
+    make = lambda params: FusedAdam(params, lr=1e-2, weight_decay=0.01)  # noqa: E731
+    replayed, scale, state = _graph_training(capture=True, optimizer=make)
+    eager, eager_scale, eager_state = _graph_training(capture=False, optimizer=make)
     assert scale == eager_scale == 2.0**16 / 4
     assert torch.equal(replayed.nan_to_num(0.0, 0.0, 0.0), eager.nan_to_num(0.0, 0.0, 0.0))
     assert_identical(state, eager_state)

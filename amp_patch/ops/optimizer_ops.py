@@ -30,6 +30,7 @@ from amp_patch.ops._library import _check_rows, _ops, register
 
 __all__ = [
     "adam_bias_corrections",
+    "fp32_betas",
     "multi_tensor_adam_",
     "multi_tensor_sgd_",
     "multi_tensor_adagrad_",
@@ -190,7 +191,8 @@ def _check_bias_corrections(bc: Tensor, params: Sequence[Tensor]) -> None:
                            f"but params are on {params[0].device}")
 
 
-def adam_bias_corrections(beta1: float, beta2: float, step: Tensor, enabled: bool) -> Tensor:
+def adam_bias_corrections(beta1: float, beta2: float, step: Tensor, enabled: bool,
+                          betas: Tensor | None = None) -> Tensor:
     """Adam's two bias corrections ``1 - beta**step`` from a step counter kept on the device.
 
     Computed as the kernels compute them from a host step (float64, the betas
@@ -202,6 +204,9 @@ def adam_bias_corrections(beta1: float, beta2: float, step: Tensor, enabled: boo
         beta2 (float): the second moment's decay.
         step (Tensor): the step number (from 1), one element, any dtype.
         enabled (bool): False gives ``(1, 1)``.
+        betas (Tensor, optional): ``(beta1, beta2)`` rounded to fp32, as float64 on
+            ``step``'s device, made once by the caller: then nothing is copied from the
+            host, and the call can be captured in a CUDA graph. Default: made here.
 
     Returns:
         Tensor: float32, ``(bc1, bc2)``, on ``step``'s device.
@@ -213,10 +218,21 @@ def adam_bias_corrections(beta1: float, beta2: float, step: Tensor, enabled: boo
     """
     if not enabled:
         return torch.ones(2, dtype=torch.float32, device=step.device)
-    # Rounded to fp32 by the tensor itself: no host read, even of a host tensor.
-    betas = torch.tensor([beta1, beta2], dtype=torch.float32).double().to(
-        step.device, non_blocking=True)
+    if betas is None:
+        betas = fp32_betas(beta1, beta2, step.device)
     return (1.0 - betas.pow(step.reshape(1).double())).float()
+
+
+def fp32_betas(beta1: float, beta2: float, device: torch.device) -> Tensor:
+    """``(beta1, beta2)`` rounded to fp32, as float64 on ``device`` (for
+    :func:`adam_bias_corrections`); rounded by the tensor itself, with no host read.
+
+    Example::
+
+        >>> fp32_betas(0.9, 0.999, torch.device("cpu")).dtype
+        torch.float64
+    """
+    return torch.tensor([beta1, beta2], dtype=torch.float32).double().to(device, non_blocking=True)
 
 
 def _check_sgd_lists(op: str, grads, params, momentum_buffers, model_params,

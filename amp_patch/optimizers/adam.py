@@ -88,6 +88,7 @@ class FusedAdam(FusedOptimizer):
                          master_weights=master_weights, state_format=state_format)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
+        self._device_betas: dict[tuple[float, float, torch.device], torch.Tensor] = {}
         if capturable:
             for group in self.param_groups:
                 _tensors_to_device(group)
@@ -148,11 +149,21 @@ class FusedAdam(FusedOptimizer):
                          bias_correction=bool(group["bias_correction"]))
             if on_device:
                 beta1, beta2 = group["betas"]
-                corrections = ops.adam_bias_corrections(beta1, beta2, self._device_step(group),
-                                                        hyper["bias_correction"])
+                step = self._device_step(group)
+                corrections = ops.adam_bias_corrections(beta1, beta2, step,
+                                                        hyper["bias_correction"],
+                                                        self._betas_on(beta1, beta2, step.device))
                 self._adam_group(group, 0, **hyper, bias_corrections=corrections)
             else:
                 self._adam_group(group, self._next_step(group), **hyper)
+
+    def _betas_on(self, beta1: float, beta2: float, device: torch.device) -> torch.Tensor:
+        """The fp32 betas on ``device``, made once per value: a copy from the host at every
+        step would keep the step out of a CUDA graph."""
+        key = (beta1, beta2, device)
+        if key not in self._device_betas:
+            self._device_betas[key] = ops.fp32_betas(beta1, beta2, device)
+        return self._device_betas[key]
 
     def _adam_group(self, group: dict[str, Any], step: int, *, lr: float, eps: float,
                     weight_decay: float, bias_correction: bool,
