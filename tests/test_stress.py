@@ -127,6 +127,7 @@ def one_thread():
         yield
 
 
+@pytest.mark.slow
 def test_hundreds_of_cycles_in_one_process(one_thread):
     rng = random.Random(0)
     original_mm = torch.mm

@@ -120,6 +120,7 @@ def _own_syncs(opt_cls, kwargs) -> int:
     return counted["n"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_one_pass_equals_materialized_master_grads(monkeypatch, name, precision):
@@ -159,6 +160,7 @@ CLIPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip_with", sorted(CLIPS))
 @pytest.mark.parametrize("name", ["adam", "lamb"])
 def test_clipping_master_params_materializes_them(monkeypatch, name, clip_with):
@@ -202,6 +204,7 @@ def _accumulating_run(opt_cls, kwargs, models_and_opts, pattern, steps=4):
     return history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", [
     [(0, True), (0, True), (0, False)],   # gradient accumulation with delay_unscale
     [(0, False), (1, False)],             # two losses, each with its scaler, one step

@@ -81,6 +81,7 @@ def run(setup, level, dtype, inject):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inject", ["inf", "nan", "nan_loss"])
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("level", ["O1", "O2"])

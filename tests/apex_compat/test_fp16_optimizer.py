@@ -96,6 +96,7 @@ def _assert_same(opt: FP16_Optimizer, model: nn.Module, ref: ReferenceFP16) -> N
         assert torch.equal(opt.state[a]["momentum_buffer"], ref.opt.state[b]["momentum_buffer"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("scaling", ["dynamic", "static"])
 def test_matches_reference_over_50_steps(device, dtype, scaling):

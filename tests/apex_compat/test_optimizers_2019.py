@@ -115,6 +115,7 @@ def test_old_keywords_select_the_2019_fused_adam():
         "max_grad_norm", "amsgrad"]
 
 
+@pytest.mark.slow
 def test_2019_script_trains_skips_an_overflow_and_resumes_exactly():
     model, optimizer = _build()
     assert type(optimizer.optimizer) is optimizers_2019.FusedAdam2019

@@ -61,6 +61,7 @@ def test_o2_o3_trace_in_one_graph(name, level):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lm", "convnet"])
 def test_compiled_o1_keeps_eager_dtypes_and_grads(wrapper_path, name):
     w = _workload(name)
@@ -136,6 +137,7 @@ print(explained.graph_count, explained.graph_break_count,
 
 
 # "emulate": the CPU half emulation's wrappers sit under O1's (patched first).
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu_half", ["native", "emulate"])
 def test_dynamo_first_imported_inside_a_session(cpu_half):
     import subprocess

@@ -138,6 +138,7 @@ def test_block_sizes_match_reference(block_size, device):
     _step_both(_lists(block_size=block_size), block_size=block_size, device=device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_many_tensors_and_nonfinite_grads_match_reference(device):
     """More tensors than one CUDA launch holds, and inf/NaN grads (non-finite norms and scales)."""
@@ -159,6 +160,7 @@ def test_norms_are_the_same_every_run(device):
         assert_bitwise(list(runs[0]), list(other))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts_change_no_bit(threads):
     """The norms are summed per chunk and added in chunk order: any thread count, same bits."""

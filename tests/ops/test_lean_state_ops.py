@@ -208,6 +208,7 @@ def test_grad_dtypes(device, grad_dtype):
     _check(*_sgd_args(grad_dtypes=[grad_dtype], device=device))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_many_tensors_across_tasks(device):
     """More than one task of small tensors, and one tensor over several tasks."""
@@ -316,6 +317,7 @@ def test_clear_noop_is_a_normal_step(device):
         _assert_same(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_counts(threads):
     """Any thread count gives the reference's bits (the rounding bits are per element)."""
@@ -519,6 +521,7 @@ def test_native_cpu_kernels_serve_the_lean_ops():
         assert ops.has_native_kernel("cpu", name), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["AVX2", "DEFAULT"])
 def test_every_cpu_isa_matches_reference(capability):
     """The lean loops of each instruction set (ATEN_CPU_CAPABILITY) give the reference's bits."""

@@ -44,6 +44,7 @@ def test_state_is_stored_in_the_formats_codes(fmt):
     assert bias["exp_avg"].dtype == (torch.bfloat16 if fmt == "bf16" else torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_trains_as_fp32_state_does(fmt):
     ref_model, model = _model(), _model()
