@@ -115,15 +115,15 @@ def initialize(
             :mod:`amp_patch.optimizers.state_format`. Anything but ``"fp32"``
             (and ``master_weights="bf16"``) needs amp_patch's FusedAdam or
             FusedSGD. Default: ``"fp32"``.
-        sync_free (bool, optional): ``scale_loss`` reads nothing on the host: the
-            loss scale is updated on the device, and an overflowed step is skipped
-            there by torch's ``fused=True`` Adam, AdamW and SGD and by
-            amp_patch's ``FusedAdam`` with fp32 state, which take the flag as
-            a tensor; any other optimizer (amp_patch's other fused ones: their
-            step counters live on the host) reads it in ``step()``, once. The loss scale, the
-            overflow message and a collapse are read lazily (docs/design.md,
-            "Host syncs"). False reads the overflow at every ``scale_loss`` exit,
-            as Apex did. Default: True.
+        sync_free (bool, optional): ``scale_loss`` reads nothing on the host:
+            the loss scale is updated on the device, and an overflowed step is
+            skipped there by torch's ``fused=True`` Adam, AdamW and SGD and by
+            amp_patch's ``FusedAdam`` and ``FusedSGD`` with fp32 state, which take
+            the flag as a tensor; any other optimizer (amp_patch's other fused
+            ones: their step counters live on the host) reads it in ``step()``,
+            once. The loss scale, the overflow message and a collapse are read
+            lazily (docs/design.md, "Host syncs"). False reads the overflow at
+            every ``scale_loss`` exit, as Apex did. Default: True.
         host_read_interval (int, optional): with ``sync_free``, the updates
             between two host reads of a loss scaler's state, where its overflow
             messages are logged and a collapse raises. Default: 100.

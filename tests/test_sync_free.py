@@ -37,6 +37,9 @@ FUSED = {
     "sgd-fused": lambda params: torch.optim.SGD(params, lr=0.1, fused=True),
     # amp_patch's FusedAdam (fp32 state): its step counters and bias corrections on the device.
     "fused-adam": lambda params: FusedAdam(params, lr=1e-2, weight_decay=0.01),
+    # amp_patch's FusedSGD (fp32 state): no step counter; a first step skipped on the device
+    # leaves a zero buffer, which the next step reads to the same bits (no dampening).
+    "fused-sgd": lambda params: FusedSGD(params, lr=0.1, momentum=0.9, nesterov=True),
 }
 
 
@@ -116,8 +119,8 @@ def test_reads_per_step_are_what_doctor_says(level, name):
     model = mlp()
     expected = host_reads_per_step(_READERS[name](model.parameters()))
     assert reads[1:] == [expected] * (STEPS - 1)
-    assert expected == (0 if name in ("torch-adamw-fused", "fused-adam") else 1)
-    assert "amp_patch FusedAdam (fp32 state): 0 per step" in doctor._host_syncs()
+    assert expected == (0 if name in ("torch-adamw-fused", "fused-adam", "fused-sgd") else 1)
+    assert "amp_patch FusedAdam, FusedSGD (fp32 state): 0 per step" in doctor._host_syncs()
 
 
 def test_fused_sgd_momentum_reads_the_flag_until_its_buffers_exist():
@@ -134,6 +137,29 @@ def test_fused_sgd_momentum_reads_the_flag_until_its_buffers_exist():
         reads.append(counted["n"])
     assert reads == [1, 1, 0]  # skipped (no buffer made), first step (made), then on the device
     assert all(torch.isfinite(s["momentum_buffer"]).all() for s in opt.state.values())
+
+
+def test_fused_sgd_with_dampening_reads_the_flag_until_its_buffers_exist():
+    """amp_patch's FusedSGD with dampening: a skipped first step would leave its new buffers at
+    zero, which the next step would weigh by 1 - dampening; it reads the flag until they exist,
+    and trains as with sync_free=False."""
+    make = lambda params: FusedSGD(params, lr=0.1, momentum=0.9, dampening=0.5)  # noqa: E731
+    states = []
+    for sync_free in (True, False):
+        model = mlp()
+        opt = make(model.parameters())
+        amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16, sync_free=sync_free,
+                       verbosity=0)
+        reads = []
+        for step in range(3):
+            with count_device_reads() as counted:
+                _iteration(model, opt, step, overflow=step == 0)
+            reads.append(counted["n"])
+        states.append(snapshot([model], [opt]))
+        amp.deinitialize()
+        if sync_free:
+            assert reads == [1, 1, 0]
+    assert_identical(*states)
 
 
 def _iteration(model, opt, step, overflow=False):

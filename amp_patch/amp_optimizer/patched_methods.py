@@ -265,10 +265,11 @@ def host_reads_per_step(opt: torch.optim.Optimizer) -> int:
     """How many times a sync-free ``step()`` of ``opt`` reads the overflow flag on the host.
 
     0 for an optimizer that takes the flag and skips on the device without
-    reading it (torch's fused Adam, AdamW and SGD; amp_patch's FusedAdam with
-    fp32 state); 1 for one that takes it but reads it for its host step
-    counters (amp_patch's other fused optimizers, ``READS_FOUND_INF``), and
-    for any other optimizer, which is skipped by not being called.
+    reading it (torch's fused Adam, AdamW and SGD; amp_patch's FusedAdam and
+    FusedSGD with fp32 state); 1 for one that takes it but reads it for its
+    host step counters (amp_patch's other fused optimizers,
+    ``READS_FOUND_INF``), and for any other optimizer, which is skipped by not
+    being called.
 
     Example::
 

@@ -140,14 +140,13 @@ def _host_syncs() -> str:
     """Which optimizers a sync-free iteration reads the overflow flag for (docs/design.md,
     "Host syncs"), from the same test the step uses."""
     from amp_patch.amp_optimizer.patched_methods import host_reads_per_step
-    from amp_patch.optimizers import FusedAdam, FusedSGD
+    from amp_patch.optimizers import FusedAdam, FusedLAMB
 
     params = [torch.nn.Parameter(torch.zeros(1))]
     optimizers = {
         "torch Adam/AdamW/SGD(fused=True)": torch.optim.AdamW(params, fused=True),
-        "amp_patch FusedAdam (fp32 state)": FusedAdam(params),
-        "amp_patch FusedSGD, FusedLAMB, the others and low-precision state": FusedSGD(params,
-                                                                                     lr=0.1),
+        "amp_patch FusedAdam, FusedSGD (fp32 state)": FusedAdam(params),
+        "amp_patch FusedLAMB, the others and low-precision state": FusedLAMB(params),
         "other torch optimizers, LARC": torch.optim.SGD(params, lr=0.1),
     }
     return "; ".join(f"{name}: {host_reads_per_step(opt)} per step"

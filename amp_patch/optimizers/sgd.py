@@ -115,6 +115,19 @@ class FusedSGD(FusedOptimizer):
         self.scale_set_by_backward = False
         return loss
 
+    @property
+    def READS_FOUND_INF(self) -> bool:  # type: ignore[override]  # noqa: N802 (the base's name)
+        """False for the fp32-state step, which has no step counter: the kernel's ``noop``
+        skips it on the device unread. The lean ops (their rounding bits count steps) read
+        it, and so does a group with dampening whose momentum buffers are not all made yet:
+        a skipped first step would leave a new buffer at zero, and the next step would
+        weigh the grad by ``1 - dampening`` where ``first_run`` takes it whole."""
+        if self.state_format.is_lean or self.stochastic_rounding:
+            return True
+        return any(group["momentum"] != 0 and group["dampening"] != 0 and any(
+            "momentum_buffer" not in self.state.get(p, {}) for p in group["params"])
+            for group in self.param_groups)
+
     def _fused_step(self) -> None:
         for group in self.param_groups:
             self._sgd_group(group)
