@@ -16,7 +16,11 @@ largest magnitude. A grad is a sum of terms that may cancel, and native half
 kernels may reduce it in half while emulation reduces it in fp32; its error is
 set by the size of the terms, not of the sum: grads agree within
 ``_GRAD_TOL`` = 2 ulps of the largest grad magnitude of the model. (Seen on an
-avx512_bf16 host: at most 2, 1 and 0.7 ulps of those scales.)
+avx512_bf16 host: at most 2, 1 and 0.7 ulps of those scales.) On a host of
+the none kind (docs/install.md, "CPU host kinds") the native half kernels are
+ATen's own loops, not oneDNN's, and reduce grads in bf16: seen up to 6 ulps
+of that scale with the kind forced by ISA caps, so there grads agree within
+``_GRAD_TOL_NONE`` = 8.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ _EPS = {BF16: 2.0**-7, FP16: 2.0**-10}
 _OP_TOL = 2
 _MODEL_TOL = 4
 _GRAD_TOL = 2
+_GRAD_TOL_NONE = 8
 #: The levels that compute in half (O1-O3), from the registry.
 LEVELS = [name for name, level in OPT_LEVELS.items() if level.computes_in_half]
 
@@ -614,6 +619,8 @@ def _train_step(level: str, h: torch.dtype, how: str, emulate: bool):
 @pytest.mark.parametrize("how", ["detection", "mode"])
 @pytest.mark.parametrize("level", LEVELS)
 def test_levels_give_native_dtypes_and_close_values(level, how, h):
+    # The kind of the host's own kernels, whatever the steps below force for the plan.
+    grad_tol = _GRAD_TOL_NONE if amp.cpu_half_support().of(h).kind == "none" else _GRAD_TOL
     native = _train_step(level, h, how, emulate=False)
     emulated = _train_step(level, h, how, emulate=True)
     _assert_unpatched()
@@ -627,7 +634,7 @@ def test_levels_give_native_dtypes_and_close_values(level, how, h):
         assert [n.dtype for n, _ in pairs] == [e.dtype for _, e in pairs], kind
         scale = _largest(native["grads"]) if kind == "grads" else None
         for n, e in pairs:
-            _close(e, n, h, _GRAD_TOL if kind == "grads" else _MODEL_TOL, scale)
+            _close(e, n, h, grad_tol if kind == "grads" else _MODEL_TOL, scale)
     if level != "O1":  # the model itself computes in half
         assert native["grads"][0].dtype == h
 
