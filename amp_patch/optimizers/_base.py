@@ -428,7 +428,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         step = group.get("step")
         device = group["params"][0].device
         if not isinstance(step, Tensor):
-            step = group["step"] = torch.tensor([step or 0], dtype=torch.int32, device=device)
+            step = group["step"] = torch.tensor([step or 0], dtype=torch.int32).to(
+                device, non_blocking=True)
         assert self._inputs is not None and self._inputs.found_inf is not None
         found = self._inputs.found_inf.to(step.device, non_blocking=True)
         step.add_(found.reshape(step.shape) == 0)
