@@ -67,6 +67,7 @@ def test_cuda_without_cuda_is_a_clear_error(capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("workload", ["gpt2", "resnet50"])
 @pytest.mark.parametrize("row", ["O0", "O1", "O2", "O3", "autocast"])

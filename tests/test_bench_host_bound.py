@@ -39,6 +39,7 @@ def test_op_counter_counts_dispatched_ops_and_casts_by_phase():
     assert dict(counter.casts) == {"forward": 1, "backward": 1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", bench.ROWS)
 def test_each_row_counts_a_whole_step(row):
     """Every row trains in process; its count includes the optimizer step's own op."""

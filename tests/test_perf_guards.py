@@ -32,6 +32,7 @@ def _iteration(model, opt, batch, loss_fn):
     opt.zero_grad()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("loss_scale, syncs", [("dynamic", 1), (128.0, 1), (None, None)])

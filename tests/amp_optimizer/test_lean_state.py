@@ -280,6 +280,7 @@ def _dcp_load(path):
     return load
 
 
+@pytest.mark.slow
 @settings
 def test_dcp_resume_is_exact(opt_name, level, state, masters, half, tmp_path):
     _first_and_rest(opt_name, level, state, masters, half, _dcp_save(tmp_path / "ckpt"),

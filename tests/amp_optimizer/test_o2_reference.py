@@ -12,6 +12,7 @@ import amp_patch as amp
 from training_utils import tiny_lm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01),
     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),

@@ -145,6 +145,7 @@ _UNSCALE_SIZES = [(777, 555), (555, 2048 * 32 + 1), (2048 * 32 + 1, 555), (555, 
                   pytest.param(7777 * 77, 555 * 555, marks=pytest.mark.slow)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sizea,sizeb", _UNSCALE_SIZES)
 @pytest.mark.parametrize("repeat", [1, 55])

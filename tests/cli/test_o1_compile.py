@@ -148,6 +148,7 @@ def test_dynamo_first_imported_inside_a_session(cpu_half):
     assert done.stdout.split() == ["1", "0", "True"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu_half", ["native", "emulate"])
 def test_o1_over_cpu_half_emulation_traces_in_one_graph(cpu_half):
     w = _workload("convnet")
