@@ -41,6 +41,7 @@ import torch.jit._builtins as _jit_builtins
 import amp_patch
 from amp_patch.cpu_half import cpu_half_support
 from amp_patch.dtypes import check_half_dtype
+from amp_patch.patching.dynamo import RULES as _DYNAMO_RULES
 from amp_patch.patching.patcher import Patcher, PatchRecord
 
 __all__ = ["CudaOnCpu", "CudaNotMappedError", "CpuStream", "CpuEvent", "MAPPED"]
@@ -414,6 +415,7 @@ class CudaOnCpu:
         self.default_stream = CpuStream()
         self._streams = [self.default_stream]
         self._patcher = Patcher()
+        self._dynamo_rules: tuple | None = None
         self._pickles_devices = False
         # (id of a wrapper, the TorchScript op it was registered as): see the module's docstring.
         self._jit_builtins: list[tuple[int, str]] = []
@@ -463,6 +465,10 @@ class CudaOnCpu:
             self._patch_accelerator()
             self._patch_parallel()
             self._patch_amp_patch()
+            # As for O1's patches (patching/dynamo.py): torch.compile keeps knowing the functions
+            # mapped here, and maps dynamo builds meanwhile must not outlive the mapping with
+            # its wrappers in them (a later compile would break its graph on each).
+            self._dynamo_rules = _DYNAMO_RULES.snapshot(self._patcher)
         except BaseException:
             self.uninstall()
             raise
@@ -471,7 +477,11 @@ class CudaOnCpu:
         """Restore every patched attribute (a no-op when not installed)."""
         try:
             self._forget_jit_builtins()
-            self._patcher.undo_all()
+            try:
+                self._patcher.undo_all()
+            finally:
+                _DYNAMO_RULES.drop_if_rebuilt(self._dynamo_rules)
+                self._dynamo_rules = None
         finally:
             if self._pickles_devices:
                 if copyreg.dispatch_table.get(_REAL_DEVICE) is _reduce_device:
