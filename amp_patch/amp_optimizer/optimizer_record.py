@@ -163,7 +163,14 @@ class OptimizerRecord:
 
         Example::
 
-            >>> record.schedule_skip(scaler.update_on_device())
+            >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O1",
+            ...                                   half_dtype=torch.float16, verbosity=0)
+            >>> record = amp_patch.session.current().record_for(optimizer)
+            >>> record.schedule_skip(torch.ones(1))    # a device flag: the next step skips
+            >>> record.schedule_skip(torch.zeros(1))   # combined on the device
+            >>> record.skip_next_step
+            tensor([1.])
+            >>> amp.deinitialize()
         """
         pending = self.skip_next_step
         if pending is True or overflow is False:

@@ -221,9 +221,13 @@ def install(optimizer: Any, record: StashRecord | None,
 
     Example::
 
-        >>> stash = install(optimizer, session.record_for(optimizer), session.on_close)
+        >>> undos = []
+        >>> stash = install(optimizer, None, lambda what, undo: undos.append(undo))
         >>> optimizer._amp_stash is stash
         True
+        >>> undos[0]()   # what deinitialize does
+        >>> hasattr(optimizer, "_amp_stash")
+        False
     """
     stash = AmpStash(record, optimizer)
     added: dict[str, Any] = {STASH: stash}
