@@ -195,3 +195,23 @@ def test_deinitialize_frees_the_session_when_a_scheduler_wrapped_step_after_init
     assert ref() is None
     opt.step()  # the inactive wrapper passes straight through
     sched.step()
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_wrapper_kept_past_its_session_passes_calls_through(half):
+    """Code that took an O1 wrapper during a session keeps it after deinitialize (torch's
+    inductor keeps ``torch.mm`` as it was when first imported): it then calls the function it
+    wraps untouched, and a disable_casts block does not turn it back on."""
+    model = mlp()
+    amp.initialize(model, opt_level="O1", half_dtype=half, verbosity=0)
+    kept = torch.mm
+    a = torch.ones(2, 2)
+    assert kept(a, a).dtype == half
+    amp.deinitialize()
+    assert kept is not torch.mm
+    assert kept(a, a).dtype == torch.float32
+    amp.initialize(mlp(), opt_level="O1", half_dtype=half, verbosity=0)
+    with amp.disable_casts():
+        pass
+    assert kept(a, a).dtype == torch.float32  # the old session's wrapper stays off
+    assert torch.mm(a, a).dtype == half

@@ -74,6 +74,7 @@ def install(half_dtype: torch.dtype, models: list[nn.Module], on_close: Callable
         try:
             patcher.undo_all()
         finally:
+            state.close()  # a wrapper that outside code kept passes calls through from now on
             state.cache.clear()
             if active() is state:
                 set_active(None)

@@ -56,6 +56,7 @@ class CastState:
         # Open disable_casts blocks: a count, not a saved flag, so that blocks
         # ending out of order in different threads still turn casting back on.
         self._paused = 0
+        self._closed = False
         self._pause_lock = threading.Lock()
         self.cache = WeightCastCache(enabled=enable_caching)
         self.patches: Patcher | None = None
@@ -82,7 +83,29 @@ class CastState:
         finally:
             with self._pause_lock:
                 self._paused -= 1
-                self.enabled = self._paused == 0
+                self.enabled = self._paused == 0 and not self._closed
+
+    def close(self) -> None:
+        """Turn casting off for good: the session that made this state has ended.
+
+        Undoing the patches puts torch's functions back, but code that took a
+        wrapper while they were installed keeps it (torch's own modules do:
+        inductor's kernel table holds ``torch.mm`` as it was when first
+        imported). Such a wrapper must then call the function it wraps,
+        untouched, as ``disable_casts`` makes it do.
+
+        Example::
+
+            >>> state = CastState(torch.bfloat16)
+            >>> state.close()
+            >>> with state.paused():
+            ...     pass
+            >>> state.enabled
+            False
+        """
+        with self._pause_lock:
+            self._closed = True
+            self.enabled = False
 
 
 #: The live session's state while its O1 patches are installed (see set_active).
