@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 import torch.jit._builtins as _jit_builtins
+import torch.utils._device as _device_module
 
 import amp_patch
 from amp_patch.cpu_half import cpu_half_support
@@ -457,6 +458,10 @@ class CudaOnCpu:
         # asked; filled while the wrappers are installed, it would hold the wrappers and miss
         # torch's own functions for the rest of the process.
         _jit_builtins._get_builtin_table()
+        # The same for `with torch.device(...)`'s set of factory functions (a functools.cache):
+        # built from the wrappers, it would miss torch's own factories once they are back, and
+        # a model made under `with torch.device("meta")` would land on the CPU.
+        _device_module._device_constructors()
         try:
             self._patch_tensors_and_modules()
             self._patch_devices()

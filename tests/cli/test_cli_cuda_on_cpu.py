@@ -510,3 +510,18 @@ def test_cli_torchscript_and_torch_distributed_optim(tmp_path):
     proc = _run_cli(tmp_path, "--device", "cpu", "t.py")
     assert proc.returncode == 0, proc.stderr
     assert "ok [2.0, 2.0]" in proc.stdout
+
+
+def test_device_context_knows_torchs_factories_after_the_mapping():
+    """`with torch.device(...)` keeps a cached set of factory functions: built while the
+    mapping's wrappers were installed, it would miss torch's own factories after it, and a
+    model made under `with torch.device("meta")` would land on the CPU."""
+    import torch.utils._device as device_module
+
+    device_module._device_constructors.cache_clear()  # as in a process that never used it
+    with CudaOnCpu(torch.bfloat16):
+        with torch.device("cuda"):
+            assert torch.zeros(1).device == CPU
+    with torch.device("meta"):
+        assert torch.zeros(1).device.type == "meta"
+        assert torch.nn.Linear(2, 2).weight.device.type == "meta"
