@@ -339,14 +339,16 @@ def test_step_compiles_whole_and_trains_as_eager(level, half):
 @pytest.mark.skipif(not hasattr(torch._dynamo.config, "trace_autograd_ops"),
                     reason="this torch cannot trace backward() inside a compiled region")
 def test_step_compiled_by_inductor_trains_as_eager():
-    """Inductor fuses and reorders fp32 arithmetic: the losses agree to fp32 rounding."""
+    """Inductor fuses and reorders the arithmetic and may keep a fused fp16 intermediate in
+    fp32: the losses agree to a few fp16 roundings (2**-10 each), not to the bit. (Where the
+    host has no native fp16 matmul, eager emulates it, which widens the gap to 5e-5.)"""
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         compiled, scale, graphs = _compiled_training("O2", torch.float16, "inductor")
     eager, eager_scale, _ = _compiled_training("O2", torch.float16, None)
     assert graphs <= 2 and scale == eager_scale
     finite = torch.isfinite(eager)
     assert torch.equal(finite, torch.isfinite(compiled))
-    torch.testing.assert_close(compiled[finite], eager[finite], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled[finite], eager[finite], rtol=2.0**-8, atol=1e-5)
 
 
 # ------------------------------------------------------------------------ CUDA
