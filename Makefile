@@ -10,7 +10,7 @@
 #   make check-cuda      compile the CUDA kernels against a CUDA build of torch (no GPU needed)
 #   make test-hosts      the host-sensitive tests (tests/cli, tests/cpu_half, timm's resume) under
 #                        each CPU host kind, native, conv-only and none, forced by oneDNN's and
-#                        ATen's ISA caps (amp_patch.cpu_half.FORCED_KIND_ENV; docs/install.md);
+#                        ATen's ISA caps (amp_patch.patching.cpu_half.FORCED_KIND_ENV; docs/install.md);
 #                        run it when a change touches those paths (slow; not part of `make test`)
 #   make test-matrix     the suite on torch 2.6.0, 2.9.1, 2.13.0 and 2.14.1, one venv each, cached
 #                        outside the checkout (TORCH_VERSIONS="2.6.0 2.14.1" for fewer; slow,
@@ -91,7 +91,7 @@ HOST_KINDS ?= native conv-only none
 HOST_TESTS ?= tests/cli tests/cpu_half tests/apex_compat/test_timm_apex.py
 test-hosts: install
 	@set -e; for kind in $(HOST_KINDS); do \
-		caps=$$($(PYTHON) -c "import sys; from amp_patch.cpu_half import FORCED_KIND_ENV as e; \
+		caps=$$($(PYTHON) -c "import sys; from amp_patch.patching.cpu_half import FORCED_KIND_ENV as e; \
 			print(' '.join(f'{k}={v}' for k, v in e[sys.argv[1]].items()))" $$kind); \
 		found=$$(env -u ONEDNN_MAX_CPU_ISA -u ATEN_CPU_CAPABILITY -u AMP_PATCH_CPU_HALF_NATIVE $$caps \
 			$(PYTHON) -c "import amp_patch; print(amp_patch.cpu_half_support().bfloat16.kind)"); \

@@ -15,16 +15,16 @@ Runs on CPU (bf16) and CUDA (fp16/bf16). :func:`deinitialize` undoes everything.
 # First: it refuses a torch older than the supported floor with a clear ImportError.
 from amp_patch import (
     _native,  # noqa: F401
-    cpu_half,
     ops,
 )
-from amp_patch.apex_compat.multi_tensor_apply import multi_tensor_applier
-from amp_patch.cpu_half import cpu_half_support
-from amp_patch.distributed.checkpoint import load_checkpoint, save_checkpoint
-from amp_patch.distributed.clip import clip_grad_norm_
-from amp_patch.frontend import deinitialize, initialize, load_state_dict, state_dict
-from amp_patch.legacy_handle import init
-from amp_patch.loss_scaling import master_params, scale_loss
+from amp_patch.frontend.checkpoint import load_checkpoint, save_checkpoint
+from amp_patch.frontend.clip import clip_grad_norm_
+from amp_patch.frontend.legacy_handle import init
+from amp_patch.frontend.lifecycle import deinitialize, initialize, load_state_dict, state_dict
+from amp_patch.frontend.loss_scaling import master_params, scale_loss
+from amp_patch.ops.multi_tensor_apply import multi_tensor_applier
+from amp_patch.patching import cpu_half
+from amp_patch.patching.cpu_half import cpu_half_support
 from amp_patch.patching.registry import (
     float_function,
     half_function,
@@ -34,7 +34,7 @@ from amp_patch.patching.registry import (
     register_promote_function,
 )
 from amp_patch.patching.state import disable_casts
-from amp_patch.properties import Properties
+from amp_patch.settings.properties import Properties
 
 __version__ = "0.1.0"
 

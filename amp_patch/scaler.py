@@ -20,8 +20,8 @@ raises. :meth:`AmpScaler.update` is the synchronous form, reading at once (the
 costs.
 
 Every tensor of one fused op call must be on one device. Here,
-:func:`~amp_patch.tensors.group_by_device_and_dtype` splits the lists of the unscale passes; the
-copy of the masters into the model and :func:`amp_patch.clip_grad_norm_`
+:func:`~amp_patch.helpers.tensors.group_by_device_and_dtype` splits the lists of the unscale
+passes; the copy of the masters into the model and :func:`amp_patch.clip_grad_norm_`
 (``FP16_Optimizer.clip_master_grads`` among its callers) use it too. The other fused calls split
 their lists themselves: :meth:`AmpScaler.check` and the fused optimizers'
 grad norms by device, the fused optimizers' steps in their ``_batches`` (by
@@ -39,18 +39,18 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.properties import (
+from amp_patch.helpers.tensors import (
+    group_by_device_and_dtype,
+    local_tensors,
+)
+from amp_patch.settings.properties import (
     DEFAULT_HOST_READ_INTERVAL,
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     DYNAMIC,
     Properties,
 )
-from amp_patch.tensors import (
-    group_by_device_and_dtype,  # re-exported: it was public here
-    local_tensors,
-)
 
-__all__ = ["AmpScaler", "LossScaleCollapseError", "group_by_device_and_dtype", "unscale_grads"]
+__all__ = ["AmpScaler", "LossScaleCollapseError", "unscale_grads"]
 
 logger = logging.getLogger("amp_patch")
 
@@ -348,7 +348,7 @@ class AmpScaler:
 
         Example::
 
-            >>> from amp_patch.properties import Properties
+            >>> from amp_patch.settings.properties import Properties
             >>> scaler = AmpScaler.from_properties(Properties.from_opt_level("O2", torch.float16))
             >>> loss_fn(model(x), y).backward()
             >>> norms = scaler.check([p.grad for p in model.parameters()])

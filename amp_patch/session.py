@@ -5,7 +5,7 @@ pointer, a weak table here remembers which optimizers closed sessions had, only
 to word the error when a script goes on using one. Other module-level state in
 amp_patch is not a session's: the O1 registrations waiting for the next
 ``initialize`` (:mod:`amp_patch.patching.registry`), the cached CPU half
-detection and its overrides (:mod:`amp_patch.cpu_half`), torch.compile's
+detection and its overrides (:mod:`amp_patch.patching.cpu_half`), torch.compile's
 snapshot of the patched functions (:mod:`amp_patch.patching.dynamo`). The
 ``amp_patch`` logger's level (and the stderr handler added when none was
 found) is set for a session and put back when it closes.
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
-    from amp_patch.amp_optimizer import OptimizerRecord
-    from amp_patch.cpu_half import CpuHalfPlan
-    from amp_patch.distributed.fsdp import ShardingPlan
+    from amp_patch.casting.fsdp import ShardingPlan
+    from amp_patch.optim.amp import OptimizerRecord
+    from amp_patch.patching.cpu_half import CpuHalfPlan
     from amp_patch.patching.state import CastState
-    from amp_patch.properties import Properties
     from amp_patch.scaler import AmpScaler
+    from amp_patch.settings.properties import Properties
 
 __all__ = ["AmpSession", "current", "require", "activate", "check_none_live", "reset"]
 
@@ -50,17 +50,17 @@ class AmpSession:
         casts (CastState or None): O1 casting state (flag, half dtype, weight
             cache); None when torch is not patched.
         optimizer_records (dict): ``id(optimizer)`` to its
-            :class:`~amp_patch.amp_optimizer.OptimizerRecord`.
+            :class:`~amp_patch.optim.amp.OptimizerRecord`.
         scalers (list of AmpScaler): one per ``loss_id``.
         scale_loss_open (bool): True inside a :func:`amp_patch.scale_loss` block
             (they cannot be nested).
         serial (int): this session's number in the process, for messages.
         cpu_half (CpuHalfPlan or None): how half matmuls run on the CPU
-            (:mod:`amp_patch.cpu_half`); None when nothing computes in half there.
+            (:mod:`amp_patch.patching.cpu_half`); None when nothing computes in half there.
         sharding (ShardingPlan or None): what amp changed in the FSDP2 states of
-            the models (:mod:`amp_patch.distributed.fsdp`); None when none is sharded.
+            the models (:mod:`amp_patch.casting.fsdp`); None when none is sharded.
         rank_check (RankCheck or None): the cross-rank check of each step's
-            decisions (``AMP_PATCH_DEBUG_RANKS=1``, :mod:`amp_patch.distributed.debug`);
+            decisions (``AMP_PATCH_DEBUG_RANKS=1``, :mod:`amp_patch.frontend.debug`);
             None when off.
     """
 
@@ -76,7 +76,7 @@ class AmpSession:
         self.serial = next(_serials)
         self.cpu_half: CpuHalfPlan | None = None
         self.sharding: ShardingPlan | None = None
-        # A RankCheck (amp_patch.distributed.debug, a layer above): typed loosely, no import.
+        # A RankCheck (amp_patch.frontend.debug, a layer above): typed loosely, no import.
         self.rank_check: Any = None
         # (what, undo, abort-only undo or None): see on_close.
         self._undo: list[tuple[str, Callable[[], None] | None, Callable[[], None] | None]] = []

@@ -1,8 +1,8 @@
 """Accuracy of the lean optimizer state: loss curves at O2 against each ``optimizer_state`` setting.
 
-Trains two built-in workloads of ``amp_patch.cli.models`` in bf16 at O2:
+Trains two built-in workloads of ``amp_patch.cli.compare.models`` in bf16 at O2:
 
-- the compare LM (:data:`~amp_patch.cli.models.COMPARE_LM`) with amp_patch's
+- the compare LM (:data:`~amp_patch.cli.compare.models.COMPARE_LM`) with amp_patch's
   ``FusedAdam`` (AdamW mode, lr 3e-3, weight decay 0.01), 300 steps;
 - the conv net with ``FusedSGD`` (momentum 0.9, lr 0.05: the workload's own
   optimizer, made fused), 300 steps, with 30% of its labels redrawn at random
@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import amp_patch as amp  # noqa: E402
-from amp_patch.cli import models  # noqa: E402
-from amp_patch.cli.progress import make_progress  # noqa: E402
-from amp_patch.optimizers import FusedSGD  # noqa: E402
+from amp_patch.cli.compare import models  # noqa: E402
+from amp_patch.cli.compare.progress import make_progress  # noqa: E402
+from amp_patch.optim.fused import FusedSGD  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 #: Steps whose mean loss is a run's final loss.

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 import amp_patch
-from amp_patch.cli import models
+from amp_patch.cli.compare import models
 from amp_patch.cli.host_facts import LoadMonitor
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    interleaved_median, machine, markdown_table, publish)
+from common import interleaved_median, machine, markdown_table, publish  # noqa: E402
 
 WORKLOADS = {
     "lm": lambda: models.lm(config=models.COMPARE_LM),

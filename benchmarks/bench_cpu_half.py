@@ -1,8 +1,8 @@
 """Half compute on the CPU: emulated half matmuls against O0, and what ``"auto"`` costs.
 
-Training steps of the built-in LM (``amp_patch/cli/models.py``; by default
+Training steps of the built-in LM (``amp_patch/cli/compare/models.py``; by default
 ``COMPARE_LM``, what ``amp-patch compare`` and ``make demo`` train), through
-the same :class:`~amp_patch.cli.trainer.LevelTrainer` that compare and bench use.
+the same :class:`~amp_patch.cli.compare.trainer.LevelTrainer` that compare and bench use.
 Each configuration runs in its own process (one amp session each) for the
 whole run; round after round, the configurations of a group take turns (the
 first one rotating) to time ``--steps`` steps. A configuration's ratio to its
@@ -51,10 +51,10 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch
-from amp_patch import cpu_half
-from amp_patch.cli import models
+from amp_patch.cli.compare import models
+from amp_patch.cli.compare.trainer import LevelTrainer
 from amp_patch.cli.host_facts import LoadMonitor
-from amp_patch.cli.trainer import LevelTrainer
+from amp_patch.patching import cpu_half
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402

@@ -24,8 +24,8 @@ WORKER = textwrap.dedent("""
     import statistics, sys, time, torch, torch.distributed as dist, torch.nn.functional as F
     from torch import nn
     import amp_patch as amp
-    from amp_patch.distributed import close_process_group
-    from amp_patch.distributed.debug import RankCheck
+    from amp_patch.helpers import close_process_group
+    from amp_patch.frontend.debug import RankCheck
 
     rounds, block = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo")

@@ -4,7 +4,7 @@
 built-in LM, each in its own process. This script runs that command once per
 CPU host kind (native, conv-only, none; docs/install.md, "CPU host kinds"),
 each forced by oneDNN's and ATen's ISA caps
-(``amp_patch.cpu_half.FORCED_KIND_ENV``) in a fresh process, and reports its
+(``amp_patch.patching.cpu_half.FORCED_KIND_ENV``) in a fresh process, and reports its
 wall time, the kind the detection found, the levels that ran (torch.autocast
 is left out on the none kind), autocast's measured factor and its speed-up
 over O0, and how busy the machine was. A cap only lowers a host: on a host
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from common import machine, markdown_table, publish
 
-from amp_patch.cpu_half import ENV_VAR, FORCED_KIND_ENV, HOST_KINDS
+from amp_patch.patching.cpu_half import ENV_VAR, FORCED_KIND_ENV, HOST_KINDS
 
 #: D1's target: ``make demo``'s wall time on every kind.
 TARGET_S = 90.0

@@ -2,9 +2,9 @@
 
 Every configuration (mode, level, ranks) runs in its own fresh process group,
 launched as ``amp-patch compare --nproc`` launches its ranks
-(``amp_patch/cli/data_parallel.py``: torch's elastic agent, gloo over the CPU, NCCL
+(``amp_patch/cli/compare/data_parallel.py``: torch's elastic agent, gloo over the CPU, NCCL
 and one GPU per rank where CUDA is available). Each rank builds the LM
-(``amp_patch/cli/models.py``; ``BENCH_LM`` by default), wraps it in
+(``amp_patch/cli/compare/models.py``; ``BENCH_LM`` by default), wraps it in
 DistributedDataParallel or shards it with ``fully_shard`` (each block, then
 the root, the usual recipe), runs ``amp_patch.initialize`` at the level with
 AdamW, and trains ``--steps`` steps on its slice of one global batch (the
@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 import amp_patch as amp
-from amp_patch import levels
-from amp_patch.cli import models, data_parallel
+from amp_patch.cli.compare import data_parallel, models
 from amp_patch.cli.host_facts import cpu_count
-from amp_patch.distributed import close_process_group
-from amp_patch.distributed.fsdp import local_tensor
+from amp_patch.helpers import close_process_group
+from amp_patch.helpers.tensors import local_tensor
+from amp_patch.settings import levels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, markdown_table, write_section  # noqa: E402

@@ -4,7 +4,7 @@ Each level runs in its own process (clean patches, its own memory figure) that
 stays alive for the whole run. The parent asks the levels in turn, round after
 round, to time a few steps each, so that machine noise falls on all of them
 alike; the start of each round rotates to avoid a position bias. This is
-``amp_patch.cli.round_robin``, which ``amp-patch compare`` uses too. The median
+``amp_patch.cli.compare.round_robin``, which ``amp-patch compare`` uses too. The median
 step time per level gives the ratios:
 
 - E1: O1 step time / autocast step time (target <= 1.05);
@@ -42,11 +42,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from amp_patch.cli import models  # noqa: E402
+from amp_patch.cli.compare import models  # noqa: E402
+from amp_patch.cli.compare.round_robin import (  # noqa: E402
+    JobSpec,
+    LevelRecord,
+    measure as measure_levels,  # noqa: E402
+    median_step_seconds,
+)
+from amp_patch.cli.compare.trainer import HALF_DTYPES, LEVELS, PRESETS  # noqa: E402
 from amp_patch.cli.host_facts import MIN_ROUNDS, HostFacts, LoadMonitor, cpu_half_banner  # noqa: E402
-from amp_patch.cli.round_robin import JobSpec, LevelRecord, median_step_seconds  # noqa: E402
-from amp_patch.cli.round_robin import measure as measure_levels  # noqa: E402
-from amp_patch.cli.trainer import HALF_DTYPES, LEVELS, PRESETS  # noqa: E402
 
 #: The workloads, sized so that an fp32 step takes 100-500 ms on the project's 2-core CPU.
 WORKLOADS = {
@@ -91,7 +95,7 @@ TARGETS = [
 
 def measure(workload: str, levels: list[str], device: str, half: str, rounds: int,
             steps: int, threads: int, warmup: int, allocator: str = "default") -> dict[str, dict]:
-    """Median step time and peak memory of each level, timed round-robin (amp_patch.cli.round_robin).
+    """Median step time and peak memory of each level, timed round-robin (amp_patch.cli.compare.round_robin).
 
     Args:
         allocator (str, optional): ``"default"`` or ``"tuned"`` (:data:`TUNED_MALLOC`

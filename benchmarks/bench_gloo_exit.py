@@ -5,7 +5,7 @@ loop at O2 on the CPU, which then ends in one of three ways:
 
 - ``none``: nothing, as Apex-era scripts end;
 - ``destroy``: ``dist.barrier()`` and ``dist.destroy_process_group()``;
-- ``close``: :func:`amp_patch.distributed.close_process_group`.
+- ``close``: :func:`amp_patch.helpers.close_process_group`.
 
 An exit counts as an abort when torchrun reports a rank killed by SIGABRT
 (gloo's "terminate called without an active exception", see
@@ -13,7 +13,7 @@ docs/distributed.md). The abort needs a gloo worker thread to be descheduled
 at the wrong moment, so ``--load`` busy processes run beside the exits; the
 modes take turns, so that they share the load alike. The section also gives
 the median time of each ending on rank 0, and the cost of
-:func:`~amp_patch.distributed.wait_for_gloo_workers` in a process without
+:func:`~amp_patch.helpers.wait_for_gloo_workers` in a process without
 gloo (what ``amp-patch run`` adds to every script).
 
 Run: ``python benchmarks/bench_gloo_exit.py`` (section ``gloo-exit`` of
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common import interleaved_median, machine, markdown_table, publish
 
-from amp_patch.distributed import wait_for_gloo_workers
+from amp_patch.helpers import wait_for_gloo_workers
 
 MODES = ("none", "destroy", "close")
 
@@ -40,7 +40,7 @@ WORKER = textwrap.dedent("""
     import sys, time, torch, torch.distributed as dist
     import torch.nn.functional as F
     import amp_patch as amp
-    from amp_patch.distributed import close_process_group
+    from amp_patch.helpers import close_process_group
 
     mode = sys.argv[1]
     dist.init_process_group("gloo")
@@ -122,7 +122,7 @@ def main() -> None:
         f"{machine()}. Each exit: `torchrun --standalone --nproc_per_node 2` of a 3-step DDP "
         f"loop at O2 on the CPU, with {ns.load} busy process(es) beside it; the modes take turns. "
         "`none` ends with nothing (as Apex scripts do), `destroy` with `barrier()` and "
-        "`destroy_process_group()`, `close` with `amp_patch.distributed.close_process_group()`. "
+        "`destroy_process_group()`, `close` with `amp_patch.helpers.close_process_group()`. "
         "An abort is a rank killed by SIGABRT after its last line (docs/distributed.md).",
         "",
         markdown_table(["ending", "exits", "aborts", "ending on rank 0, median ms"], rows),

@@ -5,7 +5,7 @@ GPU their steps take a few milliseconds and measure launch overhead. This one
 trains the models that Apex's users trained:
 
 - ``gpt2``: GPT-2-small shapes, the built-in transformer LM
-  (:class:`amp_patch.cli.models.TransformerLM`) at vocab 50257, width 768,
+  (:class:`amp_patch.cli.compare.models.TransformerLM`) at vocab 50257, width 768,
   12 blocks of 12 heads, seq 1024, batch 8, its output head tied to the token
   embedding as GPT-2's is: 124 M params. Throughput in tokens per second.
 - ``resnet50``: a ResNet-50 (bottleneck blocks 3-4-6-3, 25.6 M params),
@@ -72,10 +72,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from amp_patch.cli import models  # noqa: E402
+from amp_patch.cli.compare import models  # noqa: E402
+from amp_patch.cli.compare.trainer import HALF_DTYPES, CpuPeak, LevelTrainer  # noqa: E402
 from amp_patch.cli.host_facts import LoadMonitor  # noqa: E402
-from amp_patch.cli.trainer import HALF_DTYPES, CpuPeak, LevelTrainer  # noqa: E402
-from amp_patch.optimizers import FusedAdam  # noqa: E402
+from amp_patch.optim.fused import FusedAdam  # noqa: E402
 
 #: The rows: name to (the level LevelTrainer runs, TF32 on, amp_patch's FusedAdam).
 ROWS: dict[str, tuple[str, bool, bool]] = {

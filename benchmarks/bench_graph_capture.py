@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import amp_patch as amp  # noqa: E402
-from amp_patch.cli import models  # noqa: E402
+from amp_patch.cli.compare import models  # noqa: E402
 
 SIZES = {
     "bench": models.BENCH_LM,

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import amp_patch as amp  # noqa: E402
-from amp_patch.cli import models  # noqa: E402
+from amp_patch.cli.compare import models  # noqa: E402
 from amp_patch.cli.host_facts import LoadMonitor  # noqa: E402
 
 #: The tiny LM: the benchmark LM's depth and vocabulary at width 64, seq 16, batch 2.

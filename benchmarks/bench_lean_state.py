@@ -13,7 +13,7 @@ fp32 masters (True) or bf16 masters) is measured against O2 as it is today
   that is its own master counts 0: it is the model. Counted once per
   configuration after two training steps, in this process.
 - **peak memory**: ``amp-patch compare``'s measure, in each configuration's
-  own process (:mod:`amp_patch.cli.round_robin`): on the CPU the peak
+  own process (:mod:`amp_patch.cli.compare.round_robin`): on the CPU the peak
   anonymous resident memory, sampled after forward, backward and step, above
   the process's before the model was built; on CUDA the allocator's peak
   (``torch.cuda.max_memory_allocated``); the highest of the timed rounds' peaks.
@@ -55,11 +55,11 @@ import common  # noqa: E402
 
 import amp_patch as amp  # noqa: E402
 from amp_patch import ops  # noqa: E402
-from amp_patch.cli import models  # noqa: E402
+from amp_patch.cli.compare import models  # noqa: E402
+from amp_patch.cli.compare.round_robin import JobSpec, LevelRecord, measure as measure_levels  # noqa: E402
+from amp_patch.cli.compare.trainer import Preset  # noqa: E402
 from amp_patch.cli.host_facts import LoadMonitor  # noqa: E402
-from amp_patch.cli.round_robin import JobSpec, LevelRecord, measure as measure_levels  # noqa: E402
-from amp_patch.cli.trainer import Preset  # noqa: E402
-from amp_patch.dtypes import OPTIMIZER_STATE_NAMES  # noqa: E402
+from amp_patch.settings.dtypes import OPTIMIZER_STATE_NAMES  # noqa: E402
 
 #: The LM of the benchmark, with amp_patch's FusedAdam (the optimizer lean state needs).
 LM = dataclasses.replace(models.BENCH_LM, fused_adam=True)
@@ -95,7 +95,7 @@ def initialize_options(name: str) -> dict:
 
 
 def preset(name: str) -> Preset:
-    """The row as a :class:`~amp_patch.cli.trainer.Preset` of O2, for the level processes."""
+    """The row as a :class:`~amp_patch.cli.compare.trainer.Preset` of O2, for the level processes."""
     options = initialize_options(name)
     return Preset(f"O2 {name}", "O2", tuple(options.items()),
                   f"O2 with {options['optimizer_state']} optimizer state and "

@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_median, machine, markdown_table, write_section  # noqa: E402
 
 from amp_patch import ops  # noqa: E402
-from amp_patch.ops import lean_state_ops, optimizer_ops  # noqa: E402
 from amp_patch.cli.host_facts import LoadMonitor  # noqa: E402
-from amp_patch.optimizers import (  # noqa: E402
+from amp_patch.ops import lean_state_ops, optimizer_ops  # noqa: E402
+from amp_patch.optim.fused import (  # noqa: E402
     FusedAdagrad,
     FusedAdam,
     FusedLAMB,

@@ -35,9 +35,9 @@ import amp_patch
 from amp_patch import session as amp_session
 from amp_patch.cli.host_facts import LoadMonitor
 from amp_patch.patching import wrappers
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    interleaved_median, machine, markdown_table, publish)
+from common import interleaved_median, machine, markdown_table, publish  # noqa: E402
 
 BLOCK = 200  # calls per timed block: amortises the loop and the autocast context entry
 NOTHING, CACHED = 0.3, 1.0  # the E4 targets, us per call over the anchor

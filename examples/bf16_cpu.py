@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch as amp
-from amp_patch import levels
+from amp_patch.settings import levels
 
 
 def main() -> None:

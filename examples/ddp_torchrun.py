@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amp_patch as amp
-from amp_patch.distributed import close_process_group
+from amp_patch.helpers import close_process_group
 
 
 def init_process_group() -> None:

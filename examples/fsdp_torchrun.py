@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import amp_patch as amp
-from amp_patch.distributed import close_process_group
+from amp_patch.helpers import close_process_group
 
 
 def build(device: torch.device) -> torch.nn.Module:

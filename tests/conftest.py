@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import amp_patch
-from amp_patch.dtypes import HALF_DTYPE_NAMES
+from amp_patch.settings.dtypes import HALF_DTYPE_NAMES
 
 
 def _cuda_param(value="cuda"):
@@ -19,7 +19,7 @@ def _cuda_param(value="cuda"):
 #: Devices to parametrize over; CUDA cases skip with a reason on machines without one.
 DEVICES = ["cpu", _cuda_param()]
 
-#: Half dtypes to test on a device (amp_patch.dtypes.HALF_DTYPE_NAMES). fp16 on CPU is
+#: Half dtypes to test on a device (amp_patch.settings.dtypes.HALF_DTYPE_NAMES). fp16 on CPU is
 #: orders of magnitude slower than fp32 (no native kernels here), so CPU fp16 tests use
 #: tiny shapes only.
 HALF_DTYPES = list(HALF_DTYPE_NAMES.values())

@@ -32,7 +32,7 @@ _DOTTED = re.compile(r"(?<![\w./-])amp_patch(?:\.\w+)+")
 #: Paths the docs name that are, rightly, not in the repository: what each stands for.
 NOT_IN_THE_REPOSITORY = {
     "amp_patch/_csrc": "csrc/ as an installed package ships it (setup.py)",
-    "amp_patch/optimizers/foo.py": "the file a contributor adds for a new fused optimizer",
+    "amp_patch/optim/fused/foo.py": "the file a contributor adds for a new fused optimizer",
     "examples/dcgan/main_amp.py": "a script of Apex's repository",
     "examples/imagenet/main_amp.py": "a script of Apex's repository",
 }

@@ -47,10 +47,10 @@ def test_the_script_passes_from_the_command_line():
 
 @pytest.mark.slow
 def test_an_upward_import_fails(package_copy: Path):
-    target = package_copy / "tensors.py"
+    target = package_copy / "helpers" / "tensors.py"
     target.write_text(target.read_text() + "\nfrom amp_patch import session\n")
     problems = check_imports.check(package_copy)
-    assert any("amp_patch.tensors (leaf helpers) imports amp_patch.session (session)" in p
+    assert any("amp_patch.helpers.tensors (helpers) imports amp_patch.session (session)" in p
                for p in problems), problems
     done = subprocess.run([sys.executable, str(TOOL), str(package_copy)],
                           capture_output=True, text=True)
@@ -60,9 +60,9 @@ def test_an_upward_import_fails(package_copy: Path):
 def test_an_upward_import_inside_a_function_fails(package_copy: Path):
     target = package_copy / "scaler.py"
     target.write_text(target.read_text()
-                      + "\n\ndef _late():\n    from amp_patch.frontend import initialize\n")
+                      + "\n\ndef _late():\n    from amp_patch.frontend.lifecycle import initialize\n")
     problems = check_imports.check(package_copy)
-    assert any("amp_patch.scaler (scaler) imports amp_patch.frontend" in p for p in problems)
+    assert any("amp_patch.scaler (scaler) imports amp_patch.frontend.lifecycle" in p for p in problems)
 
 
 def test_a_type_checking_cycle_fails(package_copy: Path):
@@ -78,11 +78,21 @@ def test_a_type_checking_cycle_fails(package_copy: Path):
 
 
 def test_a_relative_import_is_resolved(package_copy: Path):
-    target = package_copy / "amp_optimizer" / "master_weights.py"
-    target.write_text(target.read_text() + "\nfrom ..patching import state\n")
+    target = package_copy / "optim" / "amp" / "master_weights.py"
+    target.write_text(target.read_text() + "\nfrom ...patching import state\n")
     problems = check_imports.check(package_copy)
-    assert any("amp_patch.amp_optimizer.master_weights (optimizer machinery) imports "
+    assert any("amp_patch.optim.amp.master_weights (optimizers) imports "
                "amp_patch.patching.state (patching)" in p for p in problems), problems
+
+
+def test_a_module_in_the_folder_of_another_layer_fails(package_copy: Path, monkeypatch):
+    (package_copy / "patching" / "stray.py").write_text("import torch\n")
+    layers = tuple((name, patterns + ("amp_patch.patching.stray",) if name == "front end"
+                    else patterns) for name, patterns in check_imports.LAYERS)
+    monkeypatch.setattr(check_imports, "LAYERS", layers)
+    problems = check_imports.check(package_copy)
+    assert any("amp_patch.patching.stray (front end) sits in the folder of another layer" in p
+               for p in problems), problems
 
 
 def test_a_module_outside_every_layer_fails(package_copy: Path):
@@ -92,10 +102,12 @@ def test_a_module_outside_every_layer_fails(package_copy: Path):
 
 
 @pytest.mark.parametrize("module, layer", [
-    ("amp_patch.tensors", "leaf helpers"),
-    ("amp_patch.properties", "settings"),
-    ("amp_patch.amp_optimizer.larc", "optimizer machinery"),
-    ("amp_patch.distributed.fsdp", "model casting"),
+    ("amp_patch.helpers.tensors", "helpers"),
+    ("amp_patch.settings.properties", "settings"),
+    ("amp_patch.optim.amp.larc", "optimizers"),
+    ("amp_patch.optimizers", "public names"),
+    ("amp_patch._native", "build"),
+    ("amp_patch.casting.fsdp", "model casting"),
     ("amp_patch.patching.state", "patching"),
     ("amp_patch.apex_compat.larc", "apex_compat"),
     ("amp_patch", "public names"),

@@ -159,7 +159,7 @@ def test_logger_left_as_found(how, handlers, amp_logger, monkeypatch):
     model = _model()
     stranger = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
     if how == "failed build":
-        monkeypatch.setattr(amp_patch.frontend, "_build", _fail)
+        monkeypatch.setattr(amp_patch.frontend.lifecycle, "_build", _fail)
     if how in ("bad optimizer", "failed build", "already live"):
         with pytest.raises((ValueError, RuntimeError)):
             amp_patch.initialize(model, stranger if how == "bad optimizer" else None,
@@ -262,7 +262,7 @@ def test_initialize_deinitialize_initialize():
 
 def test_failure_after_patching_leaves_torch_unpatched(monkeypatch):
     before = _snapshot()
-    import amp_patch.amp_optimizer as optim
+    import amp_patch.optim.amp as optim
 
     def boom(*_, **__):
         raise RuntimeError("optimizer processing failed")

@@ -64,7 +64,7 @@ def test_float64_params_pass_at_o1():
 # --- a failed initialize leaves nothing half-applied (9.13) ---------------------------------
 
 def _fail_in_process(monkeypatch):
-    import amp_patch.amp_optimizer as optim
+    import amp_patch.optim.amp as optim
 
     def boom(*_, **__):
         raise RuntimeError("injected failure")
@@ -72,7 +72,7 @@ def _fail_in_process(monkeypatch):
 
 
 def _fail_after_masters(monkeypatch):
-    from amp_patch.amp_optimizer.patched_methods import PatchedMethods
+    from amp_patch.optim.amp.patched_methods import PatchedMethods
 
     def boom(self):
         raise RuntimeError("injected failure")

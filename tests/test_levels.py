@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_patch import dtypes, levels
-from amp_patch.cli import trainer
-from amp_patch.properties import OPT_LEVELS, Properties
+from amp_patch.settings import dtypes, levels
+from amp_patch.cli.compare import trainer
+from amp_patch.settings.properties import Properties
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -17,7 +17,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 def test_the_docs_table_is_the_registry():
     page = (DOCS / "opt_levels.md").read_text()
     assert levels.markdown_table() in page, (
-        "docs/opt_levels.md's table is out of date; paste in `python -m amp_patch.levels`")
+        "docs/opt_levels.md's table is out of date; paste in `python -m amp_patch.settings.levels`")
 
 
 @pytest.mark.parametrize("name", levels.NAMES)
@@ -47,7 +47,7 @@ def test_unknown_levels_name_the_registry():
 
 
 def test_every_reader_has_the_same_levels():
-    assert OPT_LEVELS == levels.NAMES == tuple(levels.OPT_LEVELS)
+    assert levels.NAMES == tuple(levels.OPT_LEVELS)
     assert trainer.AMP_LEVELS == levels.NAMES
     # compare's rows: the registry's levels, then the presets over them (O2-lean), then autocast.
     assert trainer.AMP_ROWS == (*levels.NAMES, *trainer.PRESETS)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import amp_patch as amp
-from amp_patch.model import cast_floating
+from amp_patch.casting.model import cast_floating
 from training_utils import convnet, mlp
 
 Pair = namedtuple("Pair", "a b")

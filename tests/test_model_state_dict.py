@@ -24,7 +24,7 @@ def _amp_convnet(level, seed=0, **kw):
 
 
 def _masters_by_param(opt):
-    record = amp.frontend._session.current().record_for(opt)
+    record = amp.session.current().record_for(opt)
     return {id(model_p): master for model_p, master in record.master_pairs()}
 
 
@@ -60,7 +60,7 @@ def test_loading_into_the_o2_model_sets_the_masters(source):
         if id(p) in masters:  # the exact loaded values, not their half rounding
             assert torch.equal(masters[id(p)], pretrained[name].float()), name
     train(model, opt, 1, conv_batch)
-    for model_p, master in amp.frontend._session.current().record_for(opt).master_pairs():
+    for model_p, master in amp.session.current().record_for(opt).master_pairs():
         assert torch.equal(model_p, master.to(model_p.dtype))
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from amp_patch.properties import DYNAMIC, Properties
+from amp_patch.settings.properties import DYNAMIC, Properties
 
 FP16, BF16 = torch.float16, torch.bfloat16
 

@@ -7,7 +7,7 @@ import torch
 
 import amp_patch as amp
 from amp_patch import ops
-from amp_patch.levels import NAMES as LEVELS
+from amp_patch.settings.levels import NAMES as LEVELS
 from training_utils import conv_batch, convnet, mlp, mlp_batch, train, xent
 
 STEPS = 50

@@ -137,7 +137,7 @@ def test_two_losses_one_optimizer_without_masters_do_not_mix_scales():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", num_losses=2, verbosity=0)
-    session = amp.frontend._session.current()
+    session = amp.session.current()
     session.scalers[1].load_state_dict({"loss_scale": 8.0, "unskipped": 0})
     x, y = mlp_batch(0)
     with amp.scale_loss(xent(model(x), y), opt, loss_id=0) as s:
@@ -153,7 +153,7 @@ def test_delay_overflow_check_unscales_without_update_or_skip():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
-    scaler = amp.frontend._session.current().scalers[0]
+    scaler = amp.session.current().scalers[0]
     x, y = mlp_batch(0)
     with amp.scale_loss(xent(model(x), y), opt, delay_overflow_check=True) as s:
         s.backward()
@@ -186,7 +186,7 @@ def test_o1_cache_cleared_on_exit():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", verbosity=0)
-    session = amp.frontend._session.current()
+    session = amp.session.current()
     cleared = []
     orig = session.casts.cache.clear
     session.casts.cache.clear = lambda: (cleared.append(1), orig())[1]

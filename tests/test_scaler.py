@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from amp_patch.properties import Properties
-from amp_patch.scaler import LossScaleCollapseError, AmpScaler, group_by_device_and_dtype
+from amp_patch.settings.properties import Properties
+from amp_patch.helpers.tensors import group_by_device_and_dtype
+from amp_patch.scaler import LossScaleCollapseError, AmpScaler
 
 
 def overflow(scaler: AmpScaler, device="cpu") -> bool:

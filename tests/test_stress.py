@@ -17,7 +17,7 @@ import torch
 
 import amp_patch as amp
 from amp_patch import session as amp_session
-from amp_patch.levels import NAMES as LEVELS
+from amp_patch.settings.levels import NAMES as LEVELS
 from training_utils import mlp, mlp_batch, single_thread, xent
 
 CLEARERS = ["optimizer", "model", "none_by_hand"]

@@ -19,10 +19,10 @@ import torch
 
 import amp_patch as amp
 from amp_patch import session as amp_session
-from amp_patch.amp_optimizer.patched_methods import host_reads_per_step
+from amp_patch.optim.amp.patched_methods import host_reads_per_step
 from amp_patch.apex_compat.amp_state import LossScalerView
 from amp_patch.cli import doctor
-from amp_patch.optimizers import FusedAdam, FusedSGD
+from amp_patch.optim.fused import FusedAdam, FusedSGD
 from amp_patch.scaler import AmpScaler, LossScaleCollapseError
 from training_utils import assert_identical, count_device_reads, mlp, mlp_batch, snapshot, xent
 

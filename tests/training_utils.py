@@ -31,7 +31,7 @@ class TinyLM(nn.Module):
     """A causal transformer language model small enough for unit tests (torch's own layers).
 
     The library's tests use it where a model with attention, layer norms and an
-    embedding matters; the CLI's workloads (amp_patch.cli.models) stay the CLI's.
+    embedding matters; the CLI's workloads (amp_patch.cli.compare.models) stay the CLI's.
     """
 
     def __init__(self, vocab: int = 64, d_model: int = 32, n_heads: int = 4, n_layers: int = 2,

@@ -8,7 +8,10 @@ below it. Two checks run over every ``.py`` file of the package:
   function) must not name a module of a higher layer. Imports under
   ``if TYPE_CHECKING:`` are exempt from this rule only;
 - **no cycle**: the graph of all imports, ``TYPE_CHECKING`` ones and those
-  inside functions included, has no circle.
+  inside functions included, has no circle;
+- **a folder is a layer**: every module in a folder (a subpackage) belongs to the
+  folder's layer. A layer of one module (the scaler, the session) is that module at
+  the top of the package; so are the build's private modules and the public names.
 
 An import names the module it spells: ``import amp_patch.a.b`` and
 ``from amp_patch.a import b`` (b a submodule) name ``amp_patch.a.b``; the
@@ -33,54 +36,50 @@ PACKAGE = "amp_patch"
 
 #: The layers, lowest first: (name, module patterns). A pattern is a module name,
 #: or a name ending in ".*" for a package and everything below it. The longest
-#: matching pattern wins, so a module can sit in another layer than its package.
+#: matching pattern wins; a module still sits in its folder's layer (checked).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaf helpers", ("amp_patch._logging", "amp_patch.tensors", "amp_patch._C",
-                      "amp_patch.distributed.teardown", "amp_patch.distributed.agree",
-                      "amp_patch._native", "amp_patch._buildspec")),
-    ("settings", ("amp_patch.dtypes", "amp_patch.levels", "amp_patch.properties")),
+    ("build", ("amp_patch._C", "amp_patch._native", "amp_patch._buildspec")),
+    ("helpers", ("amp_patch.helpers.*",)),
+    ("settings", ("amp_patch.settings.*",)),
     ("ops", ("amp_patch.ops.*",)),
     ("scaler", ("amp_patch.scaler",)),
-    ("optimizer machinery", ("amp_patch.optimizers.*", "amp_patch.amp_optimizer.*")),
-    ("model casting", ("amp_patch.model", "amp_patch.distributed.fsdp")),
-    ("patching", ("amp_patch.patching.*", "amp_patch.cpu_half.*",
-                  "amp_patch.distributed.regather")),
+    ("optimizers", ("amp_patch.optim.*",)),
+    ("model casting", ("amp_patch.casting.*",)),
+    ("patching", ("amp_patch.patching.*",)),
     ("session", ("amp_patch.session",)),
-    ("front end", ("amp_patch.frontend", "amp_patch.loss_scaling", "amp_patch.legacy_handle",
-                   "amp_patch.distributed", "amp_patch.distributed.checkpoint",
-                   "amp_patch.distributed.debug",
-                   "amp_patch.distributed.clip")),
+    ("front end", ("amp_patch.frontend.*",)),
     ("apex_compat", ("amp_patch.apex_compat.*",)),
-    # The package's __init__: the public names, Apex's multi_tensor_applier among them.
-    ("public names", ("amp_patch",)),
+    ("public names", ("amp_patch", "amp_patch.optimizers")),
     ("cli", ("amp_patch.cli.*", "amp_patch.__main__")),
 )
 
 #: What each layer of :data:`LAYERS` holds, by layer name: the last column of docs/design.md's
 #: layer table, which ``tools/layers_doc.py`` generates from the two.
 ROLES: dict[str, str] = {
-    "leaf helpers": "torch-only helpers: DTensor local shards, grouping tensor lists by "
-                    "(device, dtype), logging set-up, the compiled kernels, how they are "
-                    "built and loaded for the running torch, gloo teardown, verdicts every "
-                    "rank agrees on",
+    "build": "the compiled kernels (`_C`), how they are built (`_buildspec`) and loaded for the "
+             "running torch (`_native`)",
+    "helpers": "torch-only helpers: logging set-up, DTensor local shards, grouping tensor lists "
+               "by (device, dtype), verdicts every rank agrees on, gloo teardown",
     "settings": "the half dtypes and their names (and the names of the optimizer-state "
                 "precisions), the opt-level registry, the frozen `Properties` and their "
                 "validation (the CPU half modes among them)",
     "ops": "the op schemas, their reference bodies (the lean optimizer ops' state codes and "
-           "stochastic rounding among them), the kernel loading",
+           "stochastic rounding among them), the kernel loading, Apex's "
+           "`multi_tensor_applier`",
     "scaler": "`AmpScaler`: scale and overflow flag as device tensors, the update rule",
-    "optimizer machinery": "the fused optimizers and their state formats "
-                           "(`optimizers/state_format`); optimizer records, masters (fp32 or "
-                           "bf16), patched `step`/`zero_grad`, LARC",
+    "optimizers": "`optim/fused`: the fused optimizers and their state formats; `optim/amp`: "
+                  "optimizer records, masters (fp32 or bf16), patched `step`/`zero_grad`, "
+                  "checkpoint hooks, LARC",
     "model casting": "O2/O3 casts and hooks; fitting FSDP2 states to the level",
     "patching": "O1's lists, wrappers, patcher and cast state; CPU half detection and "
-                "emulation; O1's weight casts on FSDP2's all-gathered params",
+                "emulation (`patching/cpu_half`); O1's weight casts on FSDP2's all-gathered "
+                "params (`regather`)",
     "session": "`AmpSession`, the one global: what one `initialize` built, and its undo stack",
     "front end": "`initialize`, `scale_loss`, `init` (Apex's handle API), `clip_grad_norm_`, "
                  "checkpoints, the ranks' decision check (`AMP_PATCH_DEBUG_RANKS`)",
     "apex_compat": "Apex's names as thin faces over the parts below",
-    "public names": "the `amp_patch` namespace, Apex's `multi_tensor_applier` included",
-    "cli": "the `amp-patch` command",
+    "public names": "the `amp_patch` namespace and `amp_patch.optimizers`, the names users import",
+    "cli": "the `amp-patch` command: `compare/`, `run/`, `doctor`",
 }
 
 
@@ -240,6 +239,10 @@ def check(root: Path) -> list[str]:
         if layer is None:
             problems.append(f"{rel}: module {module} is in no layer; add it to LAYERS")
             continue
+        folder = module.rpartition(".")[0] if path.name != "__init__.py" else module
+        if folder != PACKAGE and layer_of(folder) != layer:
+            problems.append(f"{rel}: module {module} ({LAYERS[layer][0]}) sits in the folder of "
+                            f"another layer ({folder}); a folder is one layer")
         for imp in imports_of(path, module, modules):
             graph[module].add(imp.target)
             target_layer = layer_of(imp.target)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from amp_patch import _logging, session as _session
-from amp_patch.legacy_handle import AmpHandle
-from amp_patch.loss_scaling import master_params
+from amp_patch import session as _session
+from amp_patch.helpers import logs as _logging
+from amp_patch.frontend.legacy_handle import AmpHandle
+from amp_patch.frontend.loss_scaling import master_params
 from amp_patch.scaler import AmpScaler
 
 __all__ = ["AmpState", "LossScalerView", "OptPropertiesView", "amp_state", "master_params"]

@@ -22,10 +22,10 @@ import torch
 from torch import Tensor
 
 from amp_patch import scaler as _scaler
-from amp_patch.amp_optimizer.master_weights import MasterWeights, clear_grads
 from amp_patch.apex_compat.amp_state import LossScalerView
-from amp_patch.distributed.clip import clip_grad_norm_
-from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.frontend.clip import clip_grad_norm_
+from amp_patch.optim.amp.master_weights import MasterWeights, clear_grads
+from amp_patch.settings.dtypes import HALF_DTYPES
 
 __all__ = ["FP16_Optimizer", "LossScaler", "DynamicLossScaler"]
 

@@ -20,7 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from amp_patch.apex_compat.fp16_optimizer import DynamicLossScaler, FP16_Optimizer, LossScaler
-from amp_patch.model import cast_module, cast_own_tensors
+from amp_patch.casting.model import cast_module, cast_own_tensors
 
 __all__ = [
     "FP16_Optimizer",
@@ -124,7 +124,7 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
     Every floating dtype is cast, float64 included, as Apex did; their grads
     are cast too, and the tensors stay the same objects
-    (:func:`amp_patch.model.cast_own_tensors`).
+    (:func:`amp_patch.casting.model.cast_own_tensors`).
 
     Args:
         module (torch.nn.Module): the module.

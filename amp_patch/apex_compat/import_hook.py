@@ -97,7 +97,7 @@ MODULES: dict[str, _Mapping] = {
     # FusedAdam tells the 2019 FusedAdam (its keywords) from the current one; FP16_Optimizer is
     # the 2019 name, which the current apex.optimizers no longer has.
     "apex.optimizers": _Mapping(
-        "amp_patch.optimizers",
+        "amp_patch.optim.fused",
         "FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedSGD, FusedNovoGrad, FusedAdagrad; "
         "and the 2019 FP16_Optimizer and FusedAdam",
         ("FusedSGD", "FusedAdam", "FusedNovoGrad", "FusedLAMB", "FusedAdagrad",
@@ -121,7 +121,7 @@ MODULES: dict[str, _Mapping] = {
     "apex.fp16_utils.loss_scaler": _Mapping(
         _FP16_UTILS, "LossScaler, DynamicLossScaler",
         ("LossScaler", "DynamicLossScaler", "to_python_float")),
-    "apex.multi_tensor_apply": _Mapping("amp_patch.apex_compat.multi_tensor_apply",
+    "apex.multi_tensor_apply": _Mapping("amp_patch.ops.multi_tensor_apply",
                                         "multi_tensor_applier, MultiTensorApply",
                                         ("MultiTensorApply", "multi_tensor_applier")),
     "apex.contrib": _Mapping(None, "the package", ("optimizers", "xentropy", "clip_grad")),

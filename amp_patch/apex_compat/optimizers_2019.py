@@ -22,7 +22,7 @@ the 2019 one had; then it is :class:`FusedAdam2019`. ``FP16_Optimizer``
 existed in ``apex.optimizers`` only in 2019, so that name is unambiguous.
 
 Both are built on amp_patch's parts: :class:`FusedAdam2019` is amp_patch's
-:class:`~amp_patch.optimizers.FusedAdam` (the same fused Adam op, with Apex
+:class:`~amp_patch.optim.fused.FusedAdam` (the same fused Adam op, with Apex
 2019's hyper-parameters mapped onto it), and :class:`FP16_Optimizer` is
 :class:`amp_patch.apex_compat.fp16_optimizer.FP16_Optimizer` (masters, scaler,
 checkpoints) stepping as the 2019 one did: no fp32 master grads, the fused op
@@ -39,9 +39,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from amp_patch import optimizers, scaler as _scaler
+from amp_patch import scaler as _scaler
 from amp_patch.apex_compat import fp16_optimizer
-from amp_patch.optimizers import FusedStepInputs
+from amp_patch.optim import fused as optimizers
+from amp_patch.optim.fused import FusedStepInputs
 
 __all__ = ["FusedAdam", "FusedAdam2019", "FP16_Optimizer"]
 
@@ -56,7 +57,7 @@ class FusedAdam(optimizers.FusedAdam):
 
     Called with a keyword only the 2019 FusedAdam had (``max_grad_norm``,
     ``eps_inside_sqrt``), it makes a :class:`FusedAdam2019`; otherwise it is
-    :class:`amp_patch.optimizers.FusedAdam`, with the same arguments.
+    :class:`amp_patch.optim.fused.FusedAdam`, with the same arguments.
 
     Example::
 
@@ -88,7 +89,7 @@ class FusedAdam2019(FusedAdam):
         v = \beta_2 v + (1-\beta_2) g^2 \\
         p &= p - \eta_t \left(\frac{m}{\sqrt{v} + \epsilon} + \lambda p\right)
 
-    This is :class:`amp_patch.optimizers.FusedAdam`'s AdamW update with
+    This is :class:`amp_patch.optim.fused.FusedAdam`'s AdamW update with
     :math:`\epsilon / \sqrt{1-\beta_2^t}` and
     :math:`\lambda \sqrt{1-\beta_2^t} / (1-\beta_1^t)` for :math:`\epsilon` and
     :math:`\lambda`: one call of the same fused op, equal to Apex's within

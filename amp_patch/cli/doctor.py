@@ -139,8 +139,8 @@ def _autocast() -> str:
 def _host_syncs() -> str:
     """Which optimizers a sync-free iteration reads the overflow flag for (docs/design.md,
     "Host syncs"), from the same test the step uses."""
-    from amp_patch.amp_optimizer.patched_methods import host_reads_per_step
-    from amp_patch.optimizers import FusedAdam, FusedLAMB
+    from amp_patch.optim.amp.patched_methods import host_reads_per_step
+    from amp_patch.optim.fused import FusedAdam, FusedLAMB
 
     params = [torch.nn.Parameter(torch.zeros(1))]
     optimizers = {
@@ -174,7 +174,7 @@ def report() -> str:
         >>> report().splitlines()[0].startswith("amp_patch ")
         True
     """
-    from amp_patch.cpu_half import cpu_half_support
+    from amp_patch.patching.cpu_half import cpu_half_support
 
     status = _native.status()
     rec = _native._running_record()

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
-from amp_patch import cpu_half
-from amp_patch.dtypes import HALF_DTYPE_NAMES
+from amp_patch.patching import cpu_half
+from amp_patch.settings.dtypes import HALF_DTYPE_NAMES
 
 # The class below has a field named torch; annotations inside it reach the module this way.
 _Device = torch.device
@@ -296,7 +296,7 @@ def cpu_half_banner(facts: HostFacts, half_dtype: str) -> str | None:
     """The note on how this host computes in half precision on the CPU; None off the CPU.
 
     This is the one place where ``compare``, ``run`` and the benchmarks get
-    that note: :func:`amp_patch.cpu_half.banner` for the run's half type and
+    that note: :func:`amp_patch.patching.cpu_half.banner` for the run's half type and
     ``cpu_half_compute="auto"`` (what the levels use), which says whether the
     half matmuls ran natively or emulated, on what host, and why CPU speed
     ratios do not predict GPU speed; on a host without native half, a fourth
@@ -322,7 +322,7 @@ def cpu_half_plan(facts: HostFacts, half_dtype: str) -> dict[str, Any] | None:
     """What ``cpu_half_compute="auto"`` does for the run's half type on this host (JSON-able).
 
     Returns:
-        dict or None: :meth:`amp_patch.cpu_half.CpuHalfPlan.as_dict`; None off the CPU.
+        dict or None: :meth:`amp_patch.patching.cpu_half.CpuHalfPlan.as_dict`; None off the CPU.
     """
     if not facts.device.startswith("cpu"):
         return None
@@ -343,14 +343,14 @@ class AutocastCost:
     """What ``torch.autocast`` costs on this CPU, and whether ``compare`` runs it by default.
 
     amp_patch emulates half matmuls for its own levels on a host without
-    native ones (:mod:`amp_patch.cpu_half`); ``torch.autocast`` is torch's, so it
+    native ones (:mod:`amp_patch.patching.cpu_half`); ``torch.autocast`` is torch's, so it
     runs them as the host does. This is the one place that words that cost,
     for ``compare`` (its notes, the table's caption), the banner and ``doctor``.
 
     Attributes:
         half_dtype (str): ``"bf16"`` or ``"fp16"``.
         kind (str): the host kind for that dtype
-            (:data:`amp_patch.cpu_half.HOST_KINDS`).
+            (:data:`amp_patch.patching.cpu_half.HOST_KINDS`).
         factor (float or None): the detection probe's half matmul time over
             fp32's; None where it was not measured (oneDNN has no support, or
             the answer was forced).
@@ -429,7 +429,7 @@ def autocast_cost(facts: HostFacts, half_dtype: str) -> AutocastCost | None:
     Example::
 
         >>> cost = autocast_cost(HostFacts.collect("cpu"), "bf16")
-        >>> cost.kind in amp_patch.cpu_half.HOST_KINDS
+        >>> cost.kind in amp_patch.patching.cpu_half.HOST_KINDS
         True
     """
     if not facts.device.startswith("cpu") or facts.cpu_half is None:

@@ -19,7 +19,7 @@ may share memory with no other tensor of the call, except that ``dst[i]`` may be
 .. note::
     Every tensor in one call must be on the same device as ``found_inf``.
     Callers group tensors by device first (for instance with
-    :func:`amp_patch.tensors.group_by_device_and_dtype`).
+    :func:`amp_patch.helpers.tensors.group_by_device_and_dtype`).
 
 The package is split by concept: :mod:`~amp_patch.ops.scaling_ops` (the ops
 behind loss scaling and master weights), :mod:`~amp_patch.ops.optimizer_ops`

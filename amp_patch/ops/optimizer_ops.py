@@ -1,6 +1,6 @@
-"""The fused optimizer ops (behind :mod:`amp_patch.optimizers`): schemas, reference bodies, wrappers.
+"""The fused optimizer ops (behind :mod:`amp_patch.optim.fused`): schemas, reference bodies, wrappers.
 
-Fused optimizer ops (amp_patch.optimizers). Each takes the lists of one
+Fused optimizer ops (amp_patch.optim.fused). Each takes the lists of one
 optimizer step, updates params and state in place, and never syncs:
 
 - `noop` (optional, one-element float32 or int32: amp_patch's found_inf or
@@ -548,7 +548,7 @@ def multi_tensor_novograd_(
     """NovoGrad's element step over lists of tensors (Apex's ``multi_tensor_novograd``).
 
     ``grad_norms[i]`` is tensor i's second moment: its blended grad norm, which
-    the caller updates first (:class:`amp_patch.optimizers.FusedNovoGrad` does).
+    the caller updates first (:class:`amp_patch.optim.fused.FusedNovoGrad` does).
     With ``denom = grad_norms[i] / sqrt(1 - beta2**step) + eps``: by default
     ``m = beta1*m + beta3*g``, ``p = p - lr * ((m/bc1)/denom + weight_decay*p)``;
     with ``reg_inside_moment`` the grad is normalised (and decayed) before the

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from amp_patch.dtypes import HALF_DTYPES
+from amp_patch.settings.dtypes import HALF_DTYPES
 
 __all__ = ["WeightCastCache", "cacheable"]
 
@@ -73,7 +73,7 @@ class WeightCastCache:
         digest (int): a running digest of the sizes of those casts, in their
             order, which a cache hit instead of a cast changes (compared across
             ranks by ``AMP_PATCH_DEBUG_RANKS=1``, see
-            :mod:`amp_patch.distributed.debug`).
+            :mod:`amp_patch.frontend.debug`).
 
     Example::
 
@@ -152,7 +152,7 @@ class WeightCastCache:
         as FSDP2's unsharded parameters, which every all-gather writes anew
         into a storage freed and reallocated in place: an allocator that hands
         the same address back would otherwise make a stale entry look valid
-        (see :mod:`amp_patch.distributed.regather`).
+        (see :mod:`amp_patch.patching.regather`).
 
         Args:
             params (iterable of torch.Tensor): the parameters.

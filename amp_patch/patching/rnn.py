@@ -28,7 +28,7 @@ import types
 import torch
 import torch.nn.modules.rnn as _rnn_module
 
-from amp_patch.dtypes import CASTABLE_DTYPES
+from amp_patch.settings.dtypes import CASTABLE_DTYPES
 
 __all__ = ["vf_module", "allow_half_inputs"]
 

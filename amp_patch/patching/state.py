@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from amp_patch.dtypes import check_half_dtype
 from amp_patch.patching.cache import WeightCastCache
+from amp_patch.settings.dtypes import check_half_dtype
 
 if TYPE_CHECKING:
     from amp_patch.patching.patcher import Patcher

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from amp_patch import ops as _ops
-from amp_patch.dtypes import CASTABLE_DTYPES, HALF_DTYPES
+from amp_patch.settings.dtypes import CASTABLE_DTYPES, HALF_DTYPES
 
 __all__ = ["Policy", "make_wrapper", "apply_policy", "native_available"]
 

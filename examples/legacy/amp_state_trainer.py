@@ -21,13 +21,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from apex import amp
 from apex.amp._amp_state import _amp_state
-
 from legacy_run_utils import load_checkpoint, log_step, parse_args_with_checkpoints, save_checkpoint
 
 
 class PatchClassifier(nn.Module):
     def __init__(self, patches=4, dim=24, classes=3):
-        super(PatchClassifier, self).__init__()
+        super().__init__()
         self.embed = nn.Linear(16, dim)
         self.norm = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))

@@ -15,7 +15,6 @@ vocabulary?), so that it runs in seconds.
 It prints the loss of every optimizer step, then the mean loss over the first
 and the last steps.
 """
-from __future__ import absolute_import, division, print_function
 
 import argparse
 import logging
@@ -25,18 +24,17 @@ import random
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
-
 from apex import amp
 from apex.normalization import FusedLayerNorm as BertLayerNorm
 from apex.optimizers import FusedAdam
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 logging.basicConfig(format='%(asctime)s - %(levelname)s - %(name)s -   %(message)s',
                     datefmt='%m/%d/%Y %H:%M:%S', level=logging.INFO)
 logger = logging.getLogger(__name__)
 
 
-class BertConfig(object):
+class BertConfig:
     def __init__(self, vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=128, max_position_embeddings=64, type_vocab_size=2,
                  hidden_dropout_prob=0.1, initializer_range=0.02):
@@ -57,7 +55,7 @@ def gelu(x):
 
 class BertEmbeddings(nn.Module):
     def __init__(self, config):
-        super(BertEmbeddings, self).__init__()
+        super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
@@ -74,7 +72,7 @@ class BertEmbeddings(nn.Module):
 
 class BertSelfAttention(nn.Module):
     def __init__(self, config):
-        super(BertSelfAttention, self).__init__()
+        super().__init__()
         self.num_attention_heads = config.num_attention_heads
         self.attention_head_size = config.hidden_size // config.num_attention_heads
         self.all_head_size = self.num_attention_heads * self.attention_head_size
@@ -101,7 +99,7 @@ class BertSelfAttention(nn.Module):
 
 class BertLayer(nn.Module):
     def __init__(self, config):
-        super(BertLayer, self).__init__()
+        super().__init__()
         self.attention = BertSelfAttention(config)
         self.attention_output = nn.Linear(config.hidden_size, config.hidden_size)
         self.attention_norm = BertLayerNorm(config.hidden_size, eps=1e-12)
@@ -120,7 +118,7 @@ class BertLayer(nn.Module):
 
 class BertForSequenceClassification(nn.Module):
     def __init__(self, config, num_labels):
-        super(BertForSequenceClassification, self).__init__()
+        super().__init__()
         self.num_labels = num_labels
         self.embeddings = BertEmbeddings(config)
         self.layer = nn.ModuleList([BertLayer(config) for _ in range(config.num_hidden_layers)])
@@ -200,11 +198,10 @@ def main():
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.no_cuda else "cpu")
     n_gpu = torch.cuda.device_count()
-    logger.info("device: {} n_gpu: {}, opt_level: {}".format(device, n_gpu, args.opt_level))
+    logger.info(f"device: {device} n_gpu: {n_gpu}, opt_level: {args.opt_level}")
 
     if args.gradient_accumulation_steps < 1:
-        raise ValueError("Invalid gradient_accumulation_steps parameter: {}, should be >= 1".format(
-            args.gradient_accumulation_steps))
+        raise ValueError(f"Invalid gradient_accumulation_steps parameter: {args.gradient_accumulation_steps}, should be >= 1")
     args.train_batch_size = args.train_batch_size // args.gradient_accumulation_steps
 
     random.seed(args.seed)

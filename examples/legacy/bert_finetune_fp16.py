@@ -21,7 +21,6 @@ import argparse
 
 import torch
 import torch.nn as nn
-
 from legacy_run_utils import load_checkpoint, log_step, parse_args_with_checkpoints, save_checkpoint
 
 VOCAB, SEQ, HIDDEN, LABELS = 64, 12, 32, 2
@@ -29,7 +28,7 @@ VOCAB, SEQ, HIDDEN, LABELS = 64, 12, 32, 2
 
 class TinyBertForSequenceClassification(nn.Module):
     def __init__(self):
-        super(TinyBertForSequenceClassification, self).__init__()
+        super().__init__()
         self.word_embeddings = nn.Embedding(VOCAB, HIDDEN)
         self.position_embeddings = nn.Embedding(SEQ, HIDDEN)
         self.layer_norm = nn.LayerNorm(HIDDEN)

@@ -11,7 +11,6 @@ data are synthetic 16x16 images of discs, so that it runs in seconds.
 It prints the losses of every iteration, then the discriminator's mean loss
 over the first and the last iterations.
 """
-from __future__ import print_function
 
 import argparse
 import random
@@ -88,7 +87,7 @@ def weights_init(m):
 
 class Generator(nn.Module):
     def __init__(self, ngpu):
-        super(Generator, self).__init__()
+        super().__init__()
         self.ngpu = ngpu
         self.main = nn.Sequential(
             # input is Z, going into a convolution
@@ -119,7 +118,7 @@ netG.apply(weights_init)
 
 class Discriminator(nn.Module):
     def __init__(self, ngpu):
-        super(Discriminator, self).__init__()
+        super().__init__()
         self.ngpu = ngpu
         self.main = nn.Sequential(
             # input is (nc) x 16 x 16

@@ -15,14 +15,12 @@ Everything lives on the GPU, as Apex-era scripts had it.
 It prints `step N errD X errG Y` for every step (every digit of the losses,
 so that runs compare exactly) and can save the final model weights.
 """
-from __future__ import print_function
 
 import argparse
 import os
 
 import torch
 import torch.nn as nn
-
 from apex import amp
 from apex.fp16_utils import *  # noqa: F401,F403 - to_python_float, as Apex-era scripts used it
 

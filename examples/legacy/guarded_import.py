@@ -18,7 +18,6 @@ import argparse
 
 import torch
 import torch.nn as nn
-
 from legacy_run_utils import load_checkpoint, log_step, parse_args_with_checkpoints, save_checkpoint
 
 

@@ -28,8 +28,8 @@ import torch.utils.data
 import torch.utils.data.distributed
 
 try:
-    from apex.parallel import DistributedDataParallel as DDP
     from apex import amp
+    from apex.parallel import DistributedDataParallel as DDP
 except ImportError:
     raise ImportError("Please install apex from https://www.github.com/nvidia/apex "
                       "to run this example.")
@@ -59,7 +59,7 @@ def parse():
 
 class BasicBlock(nn.Module):
     def __init__(self, inplanes, planes, stride=1):
-        super(BasicBlock, self).__init__()
+        super().__init__()
         self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(planes)
         self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
@@ -78,7 +78,7 @@ class BasicBlock(nn.Module):
 
 class TinyResNet(nn.Module):
     def __init__(self, num_classes=10):
-        super(TinyResNet, self).__init__()
+        super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16),
                                   nn.ReLU(inplace=True))
         self.layer1 = BasicBlock(16, 16)
@@ -110,7 +110,7 @@ def fast_collate(batch, memory_format):
     return tensor, targets
 
 
-class data_prefetcher():
+class data_prefetcher:
     def __init__(self, loader):
         self.loader = iter(loader)
         self.stream = torch.cuda.Stream()
@@ -144,7 +144,7 @@ class data_prefetcher():
         return input, target
 
 
-class AverageMeter(object):
+class AverageMeter:
     """Computes and stores the average and current value"""
     def __init__(self):
         self.reset()
@@ -216,26 +216,22 @@ def train(train_loader, model, criterion, optimizer, epoch, history):
             end = time.time()
 
             if args.local_rank == 0:
-                print('Epoch: [{0}][{1}/{2}]\t'
-                      'Time {batch_time.val:.3f} ({batch_time.avg:.3f})\t'
-                      'Speed {3:.3f} ({4:.3f})\t'
-                      'Loss {loss.val:.10f} ({loss.avg:.4f})\t'
-                      'Prec@1 {top1.val:.3f} ({top1.avg:.3f})'.format(
-                       epoch, i, len(train_loader),
-                       args.world_size * args.batch_size / batch_time.val,
-                       args.world_size * args.batch_size / batch_time.avg,
-                       batch_time=batch_time, loss=losses, top1=top1))
+                print(f'Epoch: [{epoch}][{i}/{len(train_loader)}]\t'
+                      f'Time {batch_time.val:.3f} ({batch_time.avg:.3f})\t'
+                      f'Speed {args.world_size * args.batch_size / batch_time.val:.3f} ({args.world_size * args.batch_size / batch_time.avg:.3f})\t'
+                      f'Loss {losses.val:.10f} ({losses.avg:.4f})\t'
+                      f'Prec@1 {top1.val:.3f} ({top1.avg:.3f})')
         input, target = prefetcher.next()
 
 
 def main():
     global args
     args = parse()
-    print("opt_level = {}".format(args.opt_level))
-    print("keep_batchnorm_fp32 = {}".format(args.keep_batchnorm_fp32),
+    print(f"opt_level = {args.opt_level}")
+    print(f"keep_batchnorm_fp32 = {args.keep_batchnorm_fp32}",
           type(args.keep_batchnorm_fp32))
-    print("loss_scale = {}".format(args.loss_scale), type(args.loss_scale))
-    print("\nCUDNN VERSION: {}\n".format(torch.backends.cudnn.version()))
+    print(f"loss_scale = {args.loss_scale}", type(args.loss_scale))
+    print(f"\nCUDNN VERSION: {torch.backends.cudnn.version()}\n")
 
     cudnn.benchmark = True
     torch.manual_seed(args.local_rank)

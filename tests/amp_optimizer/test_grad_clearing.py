@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import amp_patch as amp
-from amp_patch.levels import NAMES as LEVELS
+from amp_patch.settings.levels import NAMES as LEVELS
 from training_utils import (assert_identical, conv_batch, convnet, mlp, mlp_batch, single_thread,
                             snapshot, xent)
 
@@ -112,7 +112,7 @@ def test_no_clearing_at_all_follows_apex(level):
     model = convnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     amp.initialize(model, opt, opt_level=level, loss_scale="dynamic", verbosity=0)
-    record = amp.frontend._session.current().record_for(opt)
+    record = amp.session.current().record_for(opt)
     x, y = conv_batch(0)
     grads = []
     for _ in range(2):
@@ -134,7 +134,7 @@ def test_o2_master_grads_keep_the_params_memory_format():
     for _ in range(2):
         with amp.scale_loss(xent(model(x.to(memory_format=torch.channels_last)), y), opt) as s:
             s.backward()
-        record = amp.frontend._session.current().record_for(opt)
+        record = amp.session.current().record_for(opt)
         for master in amp.master_params(opt):
             model_p = record.model_param(master)
             assert master.stride() == model_p.stride()

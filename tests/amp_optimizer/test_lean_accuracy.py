@@ -1,6 +1,6 @@
 """The lean optimizer state trains the LM to within 1% of O2's final loss (docs/lean_state.md, Accuracy).
 
-The compare LM (``amp_patch.cli.models.lm`` with ``FusedAdam``), made smaller
+The compare LM (``amp_patch.cli.compare.models.lm`` with ``FusedAdam``), made smaller
 so that four runs fit in about a minute on two CPU cores: ``d_model=128``,
 ``seq_len=64``, 150 steps, at ``lr=1e-3`` (``LMConfig``'s default, the
 benchmark LM's). It trains in bf16 at O2 as today (fp32 state, fp32 masters)
@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import amp_patch as amp
-from amp_patch.cli import models
+from amp_patch.cli.compare import models
 
 pytestmark = pytest.mark.slow
 

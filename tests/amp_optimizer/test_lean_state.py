@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_patch as amp
-from amp_patch.amp_optimizer import LARC
-from amp_patch.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb,
+from amp_patch.optim.amp import LARC
+from amp_patch.optim.fused import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb,
                                   FusedNovoGrad, FusedSGD)
 from amp_patch.ops.lean_state_ops import decode
-from amp_patch.optimizers.state_format import SCALE_SUFFIX, SCALED_CODES
+from amp_patch.optim.fused.state_format import SCALE_SUFFIX, SCALED_CODES
 from training_utils import single_thread
 
 @pytest.fixture(autouse=True)

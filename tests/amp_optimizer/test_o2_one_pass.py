@@ -20,7 +20,7 @@ from torch import nn
 import amp_patch as amp
 from amp_patch import ops
 from amp_patch import optimizers as fused
-from amp_patch.amp_optimizer.master_weights import MasterWeights
+from amp_patch.optim.amp.master_weights import MasterWeights
 from training_utils import assert_identical, count_host_syncs, mlp_batch, snapshot, xent
 
 #: Each fused optimizer, with arguments that exercise its options (LAMB's clipping included).

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import amp_patch as amp
-from amp_patch.levels import NAMES as LEVELS
+from amp_patch.settings.levels import NAMES as LEVELS
 from training_utils import convnet, conv_batch, mlp, mlp_batch, train, xent
 
 
@@ -29,7 +29,7 @@ def test_o2_masters_state_and_model_equals_half_master():
         for master in masters:
             for v in opt.state[master].values():
                 assert v.dtype == torch.float32
-        record = amp.frontend._session.current().record_for(opt)
+        record = amp.session.current().record_for(opt)
         for master in masters:
             model_p = record.model_param(master)
             assert torch.equal(model_p, master.to(model_p.dtype))
@@ -91,7 +91,7 @@ def test_lr_scheduler_either_order_no_warning(order, level):
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     # the step still goes through amp: under O2 the model follows its masters
     if level == "O2":
-        record = amp.frontend._session.current().record_for(opt)
+        record = amp.session.current().record_for(opt)
         for master in amp.master_params(opt):
             assert torch.equal(record.model_param(master), master.to(torch.bfloat16))
 
@@ -168,7 +168,7 @@ def test_optim_package_imports_neither_the_session_nor_the_patching():
     import ast
     from pathlib import Path
 
-    import amp_patch.amp_optimizer as optim
+    import amp_patch.optim.amp as optim
 
     for path in Path(optim.__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text())
@@ -181,7 +181,7 @@ def test_optim_package_imports_neither_the_session_nor_the_patching():
                 continue
             for name in names:
                 assert not name.startswith(("amp_patch.session", "amp_patch.patching",
-                                            "amp_patch.frontend", "amp_patch.loss_scaling")), (path, name)
+                                            "amp_patch.frontend.lifecycle", "amp_patch.frontend.loss_scaling")), (path, name)
 
 
 class _StepInputsSGD(torch.optim.Optimizer):

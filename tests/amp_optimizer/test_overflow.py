@@ -64,7 +64,7 @@ def iteration(setup, models, opts, step, inject=None):
 
 def run(setup, level, dtype, inject):
     models, opts = build(setup, level, dtype)
-    scalers = amp.frontend._session.current().scalers
+    scalers = amp.session.current().scalers
     for step in range(STEPS):
         if step == BAD and inject is None:
             continue
@@ -158,7 +158,7 @@ def test_only_the_optimizers_of_the_overflowing_loss_skip():
         opt.step()
     assert_identical(before[1], snapshot([models[1]], [opts[1]]))
     assert not torch.equal(before[0][0], models[0][0].weight)
-    scalers = amp.frontend._session.current().scalers
+    scalers = amp.session.current().scalers
     assert [s.loss_scale for s in scalers] == [2.0**16, 2.0**15]
 
 
@@ -203,7 +203,7 @@ def test_static_scale_count_restarts_after_a_clean_step():
 
 
 def test_max_consecutive_skips_default_and_validation():
-    from amp_patch.properties import Properties
+    from amp_patch.settings.properties import Properties
 
     assert Properties.from_opt_level("O2", torch.bfloat16).max_consecutive_skips == 50
     with pytest.raises(ValueError, match="max_consecutive_skips"):

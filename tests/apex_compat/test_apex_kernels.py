@@ -13,7 +13,7 @@ from conftest import DEVICES
 import amp_patch
 from amp_patch import ops
 from amp_patch.apex_compat import amp_C
-from amp_patch.apex_compat.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+from amp_patch.ops.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -311,7 +311,7 @@ def test_state_of_a_stepped_optimizer_moves_to_the_masters_in_fp32():
 
 
 def test_wraps_served_fused_adam_and_lbfgs_closure():
-    from amp_patch.optimizers import FusedAdam
+    from amp_patch.optim.fused import FusedAdam
 
     model = _model(torch.bfloat16)
     opt = FP16_Optimizer(FusedAdam(model.parameters(), lr=1e-2), dynamic_loss_scale=True)

@@ -24,7 +24,7 @@ import textwrap
 
 import pytest
 
-#: Per CPU host kind (amp_patch.cpu_half.HOST_KINDS), how far a resumed run's losses, and its
+#: Per CPU host kind (amp_patch.patching.cpu_half.HOST_KINDS), how far a resumed run's losses, and its
 #: params and buffers (relative), may be from the uninterrupted run's: 0 is bit for bit. The
 #: numbers are docs/install.md's ("Exact resume on each CPU host kind").
 RESUME_TOLERANCE = {"native": 0.0, "conv-only": 1e-5, "none": 0.0}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import amp_patch
-from amp_patch.amp_optimizer.stash import ALREADY_INITIALIZED
+from amp_patch.optim.amp.stash import ALREADY_INITIALIZED
 from amp_patch.apex_compat import import_hook
 
 LEVELS = ["O0", "O1", "O2", "O3"]

@@ -19,14 +19,16 @@ import torch
 
 from rich.console import Console
 
-from amp_patch import cpu_half, levels
-from amp_patch.cli import compare, host_facts, data_parallel, round_robin, trainer
+from amp_patch.patching import cpu_half
+from amp_patch.settings import levels
+from amp_patch.cli import compare, host_facts
+from amp_patch.cli.compare import data_parallel, round_robin, trainer
 from amp_patch.cli.compare import command
 from amp_patch.cli.compare import results as compare_results
 from amp_patch.cli import main as cli_main
-from amp_patch.cli import models
+from amp_patch.cli.compare import models
 from amp_patch.cli.options import UsageError
-from amp_patch.distributed.fsdp import cpu_fsdp_supported
+from amp_patch.casting.fsdp import cpu_fsdp_supported
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -332,7 +334,7 @@ def test_bench_lm_has_about_21m_params():
 
 
 def test_lm_optimizer_choices():
-    from amp_patch.optimizers import FusedAdam
+    from amp_patch.optim.fused import FusedAdam
 
     tiny = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len=8, batch_size=2)
     assert isinstance(models.lm(fused_adam=True, **tiny).optimizer, FusedAdam)
@@ -387,7 +389,7 @@ def test_speeds_need_three_rounds_and_ratios_pair_rounds():
 
 def test_host_line_gives_the_cpu_half_verdict():
     # The verdict is cpu_half_support()'s (oneDNN and the probe), not oneDNN's check alone.
-    from amp_patch import cpu_half
+    from amp_patch.patching import cpu_half
 
     for native, word in ((False, "not native"), (True, "native")):
         with cpu_half.override(bfloat16=native):
@@ -627,7 +629,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 import amp_patch as amp
-from amp_patch.cli import data_parallel
+from amp_patch.cli.compare import data_parallel
 
 class Net(nn.Module):
     def __init__(self):
@@ -664,7 +666,7 @@ opt.step()
 assert model.bn.weight.dtype == torch.float32 and model.blocks[0].weight.dtype == torch.float32
 assert not torch.equal(before, model.bn.weight.full_tensor())
 amp.deinitialize()
-amp.distributed.close_process_group()
+amp.helpers.close_process_group()
 print("ok")
 """
 

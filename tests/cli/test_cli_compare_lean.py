@@ -11,12 +11,12 @@ import textwrap
 import pytest
 import torch
 
-from amp_patch.cli import models, round_robin, trainer
+from amp_patch.cli.compare import models, round_robin, trainer
 from amp_patch.cli.compare import results as compare_results
 from amp_patch.cli.compare.table import render_table
 from amp_patch.cli.host_facts import HostFacts, LoadMonitor
 from amp_patch.ops.lean_state_ops import SCALED_CODES
-from amp_patch.optimizers import FusedAdam, FusedSGD
+from amp_patch.optim.fused import FusedAdam, FusedSGD
 
 TINY_LM = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len=8, batch_size=2)
 

@@ -14,8 +14,8 @@ import torch
 
 import amp_patch
 from amp_patch.cli import main as cli_main
-from amp_patch.cli.cuda_on_cpu import CpuEvent, CpuStream, CudaNotMappedError, CudaOnCpu
-from amp_patch.cli.run import run_script
+from amp_patch.cli.run.cuda_on_cpu import CpuEvent, CpuStream, CudaNotMappedError, CudaOnCpu
+from amp_patch.cli.run.command import run_script
 
 CPU = torch.device("cpu")
 
@@ -432,7 +432,7 @@ def _comparable(t: torch.Tensor, values: bool) -> tuple:
 def test_torchscript_resolves_every_mapped_factory_to_torchs_op():
     """Each factory's wrapper is found in TorchScript's builtin table under the original's op,
     and only while the mapping is installed (docs/run.md, "TorchScript")."""
-    from amp_patch.cli.cuda_on_cpu import _factory_names
+    from amp_patch.cli.run.cuda_on_cpu import _factory_names
     from torch.jit._builtins import _find_builtin
 
     names = _factory_names()

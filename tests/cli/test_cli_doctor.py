@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from amp_patch import _native, cpu_half, ops
+from amp_patch import _native, ops
+from amp_patch.patching import cpu_half
 from amp_patch.apex_compat.import_hook import apex_import_hook
 from amp_patch.cli import doctor
 from amp_patch.cli.main import main

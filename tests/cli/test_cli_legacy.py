@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from amp_patch.levels import NAMES as LEVELS
+from amp_patch.settings.levels import NAMES as LEVELS
 
 LEGACY = Path(__file__).resolve().parents[2] / "examples" / "legacy"
 
@@ -20,7 +20,7 @@ LEGACY = Path(__file__).resolve().parents[2] / "examples" / "legacy"
 DRIVER = """
 import sys
 from amp_patch.cli.main import main
-from amp_patch.levels import NAMES as LEVELS
+from amp_patch.settings.levels import NAMES as LEVELS
 script, flag, levels, args = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4:]
 for level in levels:
     print("=== level", level, flush=True)

@@ -64,7 +64,7 @@ def test_run_script_with_argv_and_unsupported_message(tmp_path):
     """, "--flag", "value")
     assert proc.returncode != 0
     assert "argv ['--flag', 'value'] main" in proc.stdout
-    assert "initialize is amp_patch's: amp_patch.frontend" in proc.stdout
+    assert "initialize is amp_patch's: amp_patch.frontend.lifecycle" in proc.stdout
     assert "apex.contrib.multihead_attn is not supported by amp_patch" in proc.stderr
 
 
@@ -100,7 +100,7 @@ def test_run_propagates_exit_code(tmp_path):
 @pytest.mark.slow
 def test_run_missing_script(tmp_path):
     from amp_patch.cli.options import UsageError
-    from amp_patch.cli.run import run_script
+    from amp_patch.cli.run.command import run_script
 
     proc = subprocess.run([sys.executable, "-m", "amp_patch", "run", "no_such_script.py"],
                           capture_output=True, text=True, cwd=tmp_path)

@@ -13,7 +13,7 @@ import torch
 
 import amp_patch
 from amp_patch import session as amp_session
-from amp_patch.cli import models
+from amp_patch.cli.compare import models
 
 from _o1_samples import wrapper_path  # noqa: F401  (fixture: both wrapper paths)
 

@@ -41,9 +41,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_patch as amp
-from amp_patch import cpu_half
-from amp_patch.properties import Properties
-from amp_patch.levels import OPT_LEVELS
+from amp_patch.patching import cpu_half
+from amp_patch.settings.properties import Properties
+from amp_patch.settings.levels import OPT_LEVELS
+from amp_patch.settings.properties import CPU_HALF_MODES
 from conftest import DEVICES
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -166,7 +167,7 @@ def test_forced_kind_env_gives_that_kind_or_a_lower_one(kind):
     env = {k: v for k, v in os.environ.items()
            if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", cpu_half.ENV_VAR)}
     env.update(cpu_half.FORCED_KIND_ENV[kind])
-    proc = subprocess.run([sys.executable, "-c", "import amp_patch.cpu_half as c; "
+    proc = subprocess.run([sys.executable, "-c", "import amp_patch.patching.cpu_half as c; "
                            "print(c.cpu_half_support().bfloat16.kind)"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -237,7 +238,7 @@ def test_initialize_rejects_bad_mode_and_changes_nothing():
 
 
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("mode", cpu_half.MODES)
+@pytest.mark.parametrize("mode", CPU_HALF_MODES)
 def test_plan(mode, native):
     with _force(BF16, native) as s:
         p = cpu_half.plan(mode, BF16)

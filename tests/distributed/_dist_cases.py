@@ -27,9 +27,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amp_patch as amp  # noqa: E402
-from amp_patch.distributed import close_process_group  # noqa: E402
-from amp_patch.distributed.fsdp import local_tensor  # noqa: E402
-from amp_patch.levels import NAMES as LEVELS  # noqa: E402
+from amp_patch.helpers import close_process_group  # noqa: E402
+from amp_patch.helpers.tensors import local_tensor  # noqa: E402
+from amp_patch.settings.levels import NAMES as LEVELS  # noqa: E402
 import training_utils  # noqa: E402
 from training_utils import conv_batch, convnet, count_host_syncs  # noqa: E402
 
@@ -332,7 +332,7 @@ def _orders(ctx: Ctx) -> None:
 
 @case("failed_initialize_puts_shards_back")
 def _failed_initialize(ctx: Ctx) -> None:
-    import amp_patch.amp_optimizer as optim_pkg
+    import amp_patch.optim.amp as optim_pkg
 
     model = shard(mlp())
     opt = sgd(model)

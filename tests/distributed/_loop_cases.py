@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amp_patch as amp  # noqa: E402
 import _dist_cases as dc  # noqa: E402
-from amp_patch.distributed.fsdp import local_tensor  # noqa: E402
+from amp_patch.helpers.tensors import local_tensor  # noqa: E402
 
 CASES: dict[str, Callable[[dc.Ctx], None]] = {}
 STRATEGIES = ("fsdp2", "ddp")
@@ -571,7 +571,7 @@ for _name in NORMED:
 def _debug_names_the_decision(ctx: dc.Ctx) -> None:
     """AMP_PATCH_DEBUG_RANKS=1: a cast made on one rank only, then a scale set on one rank
     only, are each named before backward runs any collective."""
-    from amp_patch.distributed.debug import RanksDisagreeError
+    from amp_patch.frontend.debug import RanksDisagreeError
 
     assert os.environ.get("AMP_PATCH_DEBUG_RANKS") == "1"
     for level, inject in (("O1", "cast"), ("O2", "scale")):

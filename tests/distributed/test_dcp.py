@@ -13,7 +13,7 @@ import _dist_cases
 import amp_patch as amp
 from training_utils import assert_identical, conv_batch, convnet, mlp, snapshot, train
 
-from amp_patch.distributed.fsdp import cpu_fsdp_supported
+from amp_patch.casting.fsdp import cpu_fsdp_supported
 
 
 def _check(group: str, name: str, tmp_path_factory) -> None:

@@ -42,7 +42,7 @@ for step in range(steps):
 torch.save({"params": [p.detach() for p in model.parameters()],
             "steps": [opt.state[p]["step"].item() for p in amp.master_params(opt)],
             "amp": amp.state_dict(), "losses": losses}, out)
-from amp_patch.distributed import close_process_group
+from amp_patch.helpers import close_process_group
 close_process_group()
 """
 

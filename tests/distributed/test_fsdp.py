@@ -21,7 +21,7 @@ import _dist_cases
 import amp_patch as amp
 from training_utils import count_host_syncs, mlp, mlp_batch, xent
 
-from amp_patch.distributed.fsdp import cpu_fsdp_supported
+from amp_patch.casting.fsdp import cpu_fsdp_supported
 
 # Every case here shards on the CPU (gloo).
 pytestmark = pytest.mark.skipif(not cpu_fsdp_supported(), reason=f"torch {torch.__version__}'s FSDP2 cannot run on the CPU (torch.cpu.Stream has no record_event)")

@@ -16,7 +16,7 @@ import torch
 import _dist_cases
 from training_utils import free_port
 
-from amp_patch.distributed.fsdp import cpu_fsdp_supported
+from amp_patch.casting.fsdp import cpu_fsdp_supported
 
 #: Seconds for both launches (two agents and four workers on two busy cores).
 TIMEOUT = 600

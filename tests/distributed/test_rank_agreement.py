@@ -23,8 +23,10 @@ from torch import nn
 import _dist_cases
 import _loop_cases
 import amp_patch as amp
-from amp_patch.distributed import agree, debug, regather
-from amp_patch.distributed.fsdp import cpu_fsdp_supported
+from amp_patch.frontend import debug
+from amp_patch.helpers import agree
+from amp_patch.patching import regather
+from amp_patch.casting.fsdp import cpu_fsdp_supported
 from amp_patch.patching.cache import WeightCastCache
 
 _outcomes: dict[str, str] = {}

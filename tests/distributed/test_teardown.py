@@ -1,4 +1,4 @@
-"""``amp_patch.distributed.teardown``: no exit while gloo's workers hold backward's collectives."""
+"""``amp_patch.helpers.teardown``: no exit while gloo's workers hold backward's collectives."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from amp_patch.cli import run as cli_run
-from amp_patch.distributed import close_process_group, teardown, wait_for_gloo_workers
+from amp_patch.cli.run import command as cli_run
+from amp_patch.helpers import close_process_group, teardown, wait_for_gloo_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def test_close_after_ddp_backward_leaves_the_workers_asleep(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch, torch.distributed as dist
         sys.path.insert(0, {str(ROOT)!r})
-        from amp_patch.distributed import close_process_group, teardown
+        from amp_patch.helpers import close_process_group, teardown
         dist.init_process_group("gloo", init_method="file://{tmp_path / 'rdzv'}",
                                 rank=0, world_size=1)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))

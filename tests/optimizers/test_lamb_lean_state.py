@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from amp_patch.optimizers import FusedLAMB
+from amp_patch.optim.fused import FusedLAMB
 
 FORMATS = ("bf16", "int8", "fp8")
 
@@ -86,7 +86,7 @@ def test_groups_without_trust_ratio_skip_stage_one(monkeypatch):
     """Without weight decay or NVLAMB stage 2 steps by lr alone: stage 1 is not run for such a
     group, and the step is bit for bit the one that runs it."""
     from amp_patch import ops
-    from amp_patch.optimizers.lamb import _LambBase
+    from amp_patch.optim.fused.lamb import _LambBase
 
     calls = []
     stage1 = ops.multi_tensor_lamb_lean_stage1_

@@ -10,7 +10,7 @@ from torch import nn
 
 import amp_patch as amp
 from amp_patch.apex_compat.larc import LARC
-from amp_patch.levels import NAMES as LEVELS
+from amp_patch.settings.levels import NAMES as LEVELS
 from training_utils import assert_identical, mlp, mlp_batch, snapshot, train, xent
 
 

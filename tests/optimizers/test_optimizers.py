@@ -1,4 +1,4 @@
-"""amp_patch.optimizers against a plain float64 reference of Apex's math, and their contracts.
+"""amp_patch.optim.fused against a plain float64 reference of Apex's math, and their contracts.
 
 The references below are written per parameter from Apex's kernels
 (csrc/multi_tensor_{adam,lamb,sgd_kernel,novograd,adagrad}.cu), independently
@@ -20,7 +20,7 @@ from conftest import DEVICES
 from test_ops import assert_bitwise
 
 import amp_patch
-from amp_patch.optimizers import (
+from amp_patch.optim.fused import (
     FusedAdagrad,
     FusedAdam,
     FusedLAMB,

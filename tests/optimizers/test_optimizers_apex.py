@@ -16,8 +16,8 @@ import torch
 from conftest import DEVICES
 from torch import nn
 
-from amp_patch.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
-from amp_patch.optimizers import FusedMixedPrecisionLamb
+from amp_patch.optim.fused import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from amp_patch.optim.fused import FusedMixedPrecisionLamb
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -1,12 +1,12 @@
 """``amp-patch compare``: train one model under O0-O3 and torch.autocast, side by side.
 
 Every level trains in its own persistent process, from the same seed on the
-same batches, and the levels are timed round-robin (:mod:`amp_patch.cli.round_robin`,
+same batches, and the levels are timed round-robin (:mod:`amp_patch.cli.compare.round_robin`,
 shared with ``benchmarks/bench_e2e.py``). Each speed is the median over the
 timed rounds, with the min-max over rounds beside it; the host and its load
 are recorded, and a warning is printed when they make the ratios unreliable.
 With ``--nproc N`` each level trains data-parallel over N ranks of its own
-(:mod:`amp_patch.cli.data_parallel`), and every rank's peak memory is reported.
+(:mod:`amp_patch.cli.compare.data_parallel`), and every rank's peak memory is reported.
 
 The command is split by concern: :mod:`~amp_patch.cli.compare.results`
 (the measured run), :mod:`~amp_patch.cli.compare.table`,

@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from amp_patch.cli import data_parallel, host_facts, models
+from amp_patch.cli import host_facts
+from amp_patch.cli.compare import data_parallel, models
 from amp_patch.cli.compare.plot import write_plot
 from amp_patch.cli.compare.results import run_compare
 from amp_patch.cli.compare.table import render_table
+from amp_patch.cli.compare.trainer import LEVELS, PRESETS
 from amp_patch.cli.options import UsageError, check_output_dir, check_output_file, parse_device
-from amp_patch.cli.trainer import LEVELS, PRESETS
-from amp_patch.dtypes import HALF_DTYPE_NAMES
+from amp_patch.settings.dtypes import HALF_DTYPE_NAMES
 
 __all__ = ["DEMO_STEPS", "FULL_STEPS", "add_parser", "check_model", "validate"]
 

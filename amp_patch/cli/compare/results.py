@@ -1,7 +1,7 @@
 """``amp-patch compare``'s results: what each level produced, and the run that measures them.
 
 :func:`run_compare` trains every level in its own process, timed
-round-robin (:mod:`amp_patch.cli.round_robin`), and returns a :class:`Comparison`:
+round-robin (:mod:`amp_patch.cli.compare.round_robin`), and returns a :class:`Comparison`:
 one :class:`LevelResult` per level, the host and the load. The table
 (:mod:`~amp_patch.cli.compare.table`), the plot (:mod:`~amp_patch.cli.compare.plot`)
 and the JSON of the command (:mod:`~amp_patch.cli.compare.command`) are made from it.
@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from amp_patch.cli import host_facts, models
-from amp_patch.cli.progress import make_progress
-from amp_patch.cli.round_robin import JobSpec, LevelRecord, measure, split_steps
-from amp_patch.cli.trainer import LEVELS, PRESETS
+from amp_patch.cli import host_facts
+from amp_patch.cli.compare import models
+from amp_patch.cli.compare.progress import make_progress
+from amp_patch.cli.compare.round_robin import JobSpec, LevelRecord, measure, split_steps
+from amp_patch.cli.compare.trainer import LEVELS, PRESETS
 
 __all__ = ["LEVELS", "LevelResult", "Comparison", "derive", "run_compare"]
 

@@ -6,7 +6,7 @@ import math
 
 from amp_patch.cli import host_facts
 from amp_patch.cli.compare.results import Comparison, LevelResult
-from amp_patch.cli.trainer import PRESETS
+from amp_patch.cli.compare.trainer import PRESETS
 
 __all__ = ["render_table", "ranks_line"]
 

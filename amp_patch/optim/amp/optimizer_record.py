@@ -1,0 +1,504 @@
+"""What amp did to one optimizer, and what ``scale_loss`` does with its grads.
+
+**The one-pass O2 step.** An optimizer that takes step inputs (it has
+``fused_step_inputs``, as :mod:`amp_patch.optim.fused` do) is handed, at every
+``step()``, the half model params to write in the same pass as the fp32
+masters (:meth:`OptimizerRecord.step_inputs`). When, at a ``scale_loss`` exit,
+its grads need no accumulating (no master grad yet, nothing stashed), the exit
+does not unscale them at all (:meth:`OptimizerRecord.defer_unscale`): a
+read-only norm of the grads as stored raises the overflow flag, the scaler's
+one host sync decides the skip, and ``step()`` reads the half model grads (and
+the fp32 grads of params stepped directly), still scaled, times the inverse
+scale of that exit. No fp32 master grad is made. Whatever needs the unscaled
+grads before the step, :func:`amp_patch.master_params` (clipping) or a further
+``scale_loss`` entry (accumulation), first runs the unscale the exit left out
+(:meth:`OptimizerRecord.materialize_grads`); the step then reads the masters'
+grads as on the materialized path, to the same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import Tensor
+
+from amp_patch.helpers.tensors import local_tensor
+from amp_patch.optim.amp.master_weights import MasterWeights, match_state_to_params
+from amp_patch.optim.amp.patched_methods import STEP_INPUTS, PatchedMethods
+from amp_patch.optim.amp.state_dict_hooks import install_optimizer_hooks
+from amp_patch.optim.fused import FusedStepInputs
+from amp_patch.scaler import unscale_grads
+
+if TYPE_CHECKING:
+    from amp_patch.scaler import AmpScaler, _DeviceTensors
+
+__all__ = ["OptimizerRecord", "process"]
+
+logger = logging.getLogger("amp_patch")
+
+
+@dataclasses.dataclass
+class _DeferredGrads:
+    """Grads a ``scale_loss`` exit left scaled, for the one-pass step to read.
+
+    Attributes:
+        grads (dict): stepped tensor (a master, or a param stepped directly)
+            to its grad as stored (the half model grad, for a master).
+        tensors (dict): device to the exit's ``inv_scale`` (a copy: the
+            scaler's update may change its own) and a flag of its own.
+        norms (dict or None): device to the L2 norm of ``grads`` there, from the check; None
+            for sharded grads (the check reads only this rank's shards).
+        versions (list): ``(grad, version)`` at the exit, to notice a grad
+            written before the step.
+    """
+
+    grads: dict[Tensor, Tensor]
+    tensors: dict[torch.device, "_DeviceTensors"]
+    norms: dict[torch.device, Tensor] | None
+    versions: list[tuple[Tensor, int]]
+
+
+class OptimizerRecord:
+    """What amp did to one optimizer, and the per-iteration flags that drive it.
+
+    Made by :func:`process`; the session keeps one per optimizer passed to
+    :func:`amp_patch.initialize`.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the optimizer.
+        master_weights (bool or torch.dtype): step half params through masters:
+            fp32 ones (True, or ``torch.float32``), or bf16 ones
+            (``torch.bfloat16``: a bf16 param is its own master).
+        step_context (callable, optional): returns the context manager that
+            ``step()`` runs in. Default: none.
+
+    Attributes:
+        master_weights (bool): whether half params are stepped through fp32 masters.
+        masters (MasterWeights): the masters (empty without master weights).
+        skip_next_step (bool or Tensor): set by :func:`amp_patch.scale_loss`
+            (:meth:`schedule_skip`): True on an overflow read on the host, or the
+            device flag of a sync-free exit (one-element fp32, 1.0 on overflow);
+            the next ``step()`` is skipped by it, on the device where the
+            optimizer takes the flag, and clears it.
+        scaled_grads_pending (bool): a ``delay_unscale=True`` exit left scaled
+            grads in the params; the next ``scale_loss`` must not stash them.
+        takes_step_inputs (bool): the optimizer steps the masters through step
+            inputs (``fused_step_inputs``): it writes the model params itself,
+            and takes the one-pass step.
+        active (bool): False once :meth:`restore` ran; a wrapper that stayed
+            on the optimizer then passes calls straight through.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool | torch.dtype | None,
+                 step_context: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+        # The optimizer is held weakly: an LR scheduler made after initialize keeps our
+        # (then inactive) step wrapper, and with it this record, after deinitialize.
+        self._optimizer_ref = weakref.ref(optimizer)
+        self.master_weights = bool(master_weights)
+        master_dtype = master_weights if isinstance(master_weights, torch.dtype) else torch.float32
+        self.masters = MasterWeights(master_dtype)
+        self.skip_next_step: bool | Tensor = False
+        self.scaled_grads_pending = False
+        self.takes_step_inputs = self.master_weights and callable(
+            getattr(optimizer, STEP_INPUTS, None))
+        self.active = True
+        # Unscaled grads taken out of params stepped directly at scale_loss entry (id -> grad).
+        self._prior: dict[int, Tensor] = {}
+        self._deferred: _DeferredGrads | None = None
+        self._warned_grad_write = False
+        # Grads of params stepped directly that zero_grad left as zeros: id -> (grad, version).
+        self._zeroed: dict[int, tuple[Tensor, int]] = {}
+        self._methods = PatchedMethods(self, step_context)
+        self._hook_handles: list[Any] = []
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer (held weakly)."""
+        opt = self._optimizer_ref()
+        if opt is None:
+            raise RuntimeError("the optimizer of this amp record was garbage collected")
+        return opt
+
+    def optimizer_or_none(self) -> torch.optim.Optimizer | None:
+        """The optimizer, or None once it was garbage collected."""
+        return self._optimizer_ref()
+
+    # ----------------------------------------------------------------- params
+
+    def stepped_params(self) -> Iterator[Tensor]:
+        """The tensors the optimizer steps: fp32 masters for half params, else the params."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def model_param(self, stepped: Tensor) -> Tensor:
+        """The model parameter behind a stepped tensor (itself when it has no master)."""
+        return self.masters.model_param(stepped)
+
+    def master_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """``(model param, fp32 master)`` for each master, in ``param_groups`` order."""
+        return self.masters.pairs(self.stepped_params())
+
+    def sync_masters_from_model(self) -> None:
+        """Refresh masters whose half param was written from outside
+        (see :meth:`MasterWeights.sync_from_model`)."""
+        self.masters.sync_from_model(self.stepped_params())
+
+    def _pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """(model param, stepped tensor) for everything the optimizer steps."""
+        return [(self.masters.model_param(p), p) for p in self.stepped_params()]
+
+    # ------------------------------------------------------- scale_loss hooks
+
+    def schedule_skip(self, overflow: bool | Tensor) -> None:
+        """Make the next ``step()`` skip on ``overflow``: True (read on the host), or a device
+        flag (one-element fp32), combined on the device with any flag already scheduled.
+
+        Args:
+            overflow (bool or Tensor): the overflow of a ``scale_loss`` exit.
+
+        Example::
+
+            >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O1",
+            ...                                   half_dtype=torch.float16, verbosity=0)
+            >>> record = amp_patch.session.current().record_for(optimizer)
+            >>> record.schedule_skip(torch.ones(1))    # a device flag: the next step skips
+            >>> record.schedule_skip(torch.zeros(1))   # combined on the device
+            >>> record.skip_next_step
+            tensor([1.])
+            >>> amp.deinitialize()
+        """
+        pending = self.skip_next_step
+        if pending is True or overflow is False:
+            return
+        if overflow is True or pending is False:
+            self.skip_next_step = overflow
+        else:
+            self.skip_next_step = torch.maximum(pending, overflow.to(pending.device))
+
+    def prepare_backward(self) -> None:
+        """At ``scale_loss`` entry: take already-unscaled grads aside so backward starts clean.
+
+        Without this, a second loss (or an accumulation step) would add scaled
+        grads onto unscaled ones. Params without masters hand their grad to a
+        stash; half params with masters drop their (already consumed) model
+        grad, the master grad staying as the accumulator. Skipped while
+        ``delay_unscale`` has left scaled grads in place. A grad that the
+        optimizer's ``zero_grad`` zeroed and nothing wrote since stays where it
+        is: backward adds onto zeros, and the exit finds a fresh grad (which
+        the one-pass step can take).
+        """
+        zeroed, self._zeroed = self._zeroed, {}
+        if self.scaled_grads_pending:
+            return
+        for model_p, stepped in self._pairs():
+            if model_p is stepped:
+                grad = stepped.grad
+                if grad is not None and not _still_zero(zeroed.get(id(stepped)), grad):
+                    self._prior[id(stepped)] = grad
+                    stepped.grad = None
+            else:
+                model_p.grad = None
+
+    def note_zeroed_grads(self) -> None:
+        """After the optimizer's ``zero_grad``: the grads its params stepped directly still hold
+        are zeros (``set_to_none=False``); remember them, with their version counters, so that
+        :meth:`prepare_backward` need not stash them. Only for optimizers that take step inputs,
+        whose ``zero_grad`` is torch's."""
+        if not self.takes_step_inputs:
+            return
+        self._zeroed = {id(p): (p.grad, p.grad._version) for model_p, p in self._pairs()
+                        if model_p is p and p.grad is not None}
+
+    def collect_unscale(self, in_place: list, copy: tuple[list, list],
+                        accumulate: tuple[list, list]) -> None:
+        """At ``scale_loss`` exit: sort each fresh grad into the fused pass that unscales it.
+
+        ``in_place`` (no master, nothing stashed), ``copy`` (half grad into the
+        master's fp32 grad storage, see :meth:`MasterWeights.grad_storage`) or
+        ``accumulate`` (``y = x / scale + y`` into the stashed grad or the
+        existing master grad).
+        """
+        prior = self._prior
+        for model_p, stepped in self._pairs():
+            grad = model_p.grad
+            if model_p is stepped:
+                old = prior.pop(id(stepped), None)
+                if grad is None:
+                    if old is not None:
+                        stepped.grad = old
+                elif old is None:
+                    in_place.append(grad)
+                else:
+                    accumulate[0].append(grad)
+                    accumulate[1].append(old)
+                    stepped.grad = old
+            elif grad is not None:
+                if stepped.grad is None:
+                    stepped.grad = self.masters.grad_storage(stepped)
+                    copy[0].append(grad)
+                    copy[1].append(stepped.grad)
+                else:
+                    accumulate[0].append(grad)
+                    accumulate[1].append(stepped.grad)
+        prior.clear()
+        self.scaled_grads_pending = False
+
+    def defer_unscale(self, scaler: "AmpScaler") -> bool:
+        """At ``scale_loss`` exit: leave the fresh grads scaled for the one-pass step, if it can.
+
+        It applies when the optimizer takes step inputs and nothing is to be
+        accumulated (no master grad, nothing stashed at entry). The grads are
+        then only read, by the scaler's check, which raises the overflow flag;
+        they stay as they are, in the params, until ``step()``.
+
+        Args:
+            scaler (AmpScaler): the exit's scaler; its inverse scale is kept.
+
+        Returns:
+            bool: True when deferred; False leaves them to :meth:`collect_unscale`.
+        """
+        if not self.takes_step_inputs or self._prior or any(
+                m.grad is not None for _, m in self.master_pairs()):
+            return False
+        grads = {}
+        for model_p, stepped in self._pairs():
+            if model_p.grad is not None:
+                grads[stepped] = model_p.grad
+        norms = scaler.check(list(grads.values()))
+        # The check's norms of sharded grads are this rank's part, not the whole's.
+        sharded = any(local_tensor(g) is not g for g in grads.values())
+        self._deferred = _DeferredGrads(grads, {dev: scaler.snapshot(dev) for dev in norms},
+                                        None if sharded else norms,
+                                        [(g, g._version) for g in grads.values()])
+        self.scaled_grads_pending = False
+        return True
+
+    def materialize_grads(self) -> None:
+        """Run the unscale that :meth:`defer_unscale` left out: half grads into the masters' fp32
+        grads, grads of params stepped directly in place, by the exit's inverse scale.
+
+        Called before anything that needs the unscaled grads: :func:`amp_patch.master_params`
+        (clipping) and the next ``scale_loss`` entry (accumulating). Nothing to do otherwise.
+        The overflow was decided at the exit: these passes raise a flag of their own.
+        """
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        in_place: list[Tensor] = []
+        copy: tuple[list[Tensor], list[Tensor]] = ([], [])
+        for model_p, stepped in self._pairs():
+            grad = deferred.grads.get(stepped)
+            if grad is None:
+                continue
+            if model_p is stepped:
+                in_place.append(grad)
+            else:
+                stepped.grad = self.masters.grad_storage(stepped)
+                copy[0].append(grad)
+                copy[1].append(stepped.grad)
+        unscale_grads(in_place, copy, deferred.tensors.__getitem__)
+
+    def drop_deferred(self) -> None:
+        """Forget deferred grads whose step was skipped (an overflow)."""
+        self._deferred = None
+
+    def step_inputs(self) -> FusedStepInputs | None:
+        """What ``step()`` of an optimizer that takes step inputs reads, and writes besides params.
+
+        The half model params, written in the same pass as their masters; with
+        deferred grads, also those grads, the exit's inverse scale and the
+        check's norms. None for other optimizers.
+        """
+        if not self.takes_step_inputs:
+            return None
+        model_params = {master: model_p for model_p, master in self.master_pairs()}
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return FusedStepInputs(model_params=model_params)
+        self._warn_if_grads_written(deferred)
+        first = next(iter(deferred.tensors.values()), None)
+        return FusedStepInputs(grads=deferred.grads, model_params=model_params,
+                               inv_scale=None if first is None else first.inv_scale,
+                               grad_norms=deferred.norms)
+
+    def _warn_if_grads_written(self, deferred: _DeferredGrads) -> None:
+        if self._warned_grad_write or all(g._version == v for g, v in deferred.versions):
+            return
+        self._warned_grad_write = True
+        logger.warning(
+            "amp_patch: the model's grads were written between scale_loss and %s.step(). "
+            "Under O2 with a fused optimizer, step() reads them as they are (scaled by the loss "
+            "scale); to clip, clip amp.master_params(optimizer), which holds the unscaled fp32 "
+            "grads.", type(self.optimizer).__name__)
+
+    def abandon_backward(self) -> None:
+        """An exception left ``scale_loss`` after :meth:`prepare_backward`: drop the partial,
+        still scaled grads and put the stashed unscaled ones back (None where there were none),
+        so that the next iteration never mistakes scaled grads for unscaled ones."""
+        for model_p, stepped in self._pairs():
+            old = self._prior.pop(id(stepped), None)
+            if model_p is stepped:
+                stepped.grad = old
+            else:
+                model_p.grad = None
+        self._prior.clear()
+
+    def forget_stashed_grads(self) -> None:
+        """Drop the grads :meth:`prepare_backward` took aside (``zero_grad`` inside the block),
+        and any deferred ones."""
+        self._prior.clear()
+        self._deferred = None
+
+    def nonfinite_grad_names(self, names: dict[int, str]) -> list[str]:
+        """Names of params whose (model) grads hold inf/NaN; syncs, for error messages only."""
+        out = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, stepped in enumerate(group["params"]):
+                model_p = self.masters.model_param(stepped)
+                grad = model_p.grad if model_p.grad is not None else stepped.grad
+                # This rank's shard of a sharded grad: a DTensor's all() would be a collective.
+                if grad is not None and not bool(torch.isfinite(local_tensor(grad)).all()):
+                    out.append(names.get(id(model_p), f"param_groups[{gi}]['params'][{pi}]"))
+        return out
+
+    # ------------------------------------------------------------ install/undo
+
+    def install(self) -> None:
+        """Make the masters, register the checkpoint hooks, and patch the methods."""
+        opt = self.optimizer
+        if self.master_weights:
+            for group in opt.param_groups:
+                self.masters.attach(group, opt.state)
+            self._hook_handles += install_optimizer_hooks(opt, self.masters,
+                                                          self.sync_masters_from_model)
+        # State made before a cast (or by an earlier session) follows its param's dtype.
+        match_state_to_params(opt, (p for p in self.stepped_params()
+                                    if not self.masters.is_master(p)))
+        self._methods.install()
+
+    def restore(self) -> None:
+        """Undo :meth:`install`: original methods back, hooks removed, model params back in
+        ``param_groups``.
+
+        The optimizer state of each master moves to its model parameter, cast
+        to that parameter's dtype except ``step`` counters. Values are not
+        changed: after every step the model already equals its masters.
+        """
+        self._uninstall()
+        opt = self._optimizer_ref()
+        if opt is not None and len(self.masters):
+            self.masters.detach(opt)
+
+    def abort(self, groups: list[list[Tensor]], state: dict) -> None:
+        """Undo a :meth:`install` of a failed initialize: as :meth:`restore`, but the param
+        lists and the state entries go back to the very objects of before (see :func:`process`)."""
+        self._uninstall()
+        opt = self._optimizer_ref()
+        if opt is None:
+            return
+        for group, params in zip(opt.param_groups, groups):
+            for p in group["params"]:
+                if self.masters.is_master(p):
+                    opt.state.pop(p, None)
+            group["params"][:] = params
+        opt.state.update(state)
+        self.masters.detach(opt)
+
+    def _uninstall(self) -> None:
+        self.active = False
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._methods.restore()
+        self._prior.clear()
+        self._deferred = None
+
+
+def _still_zero(zeroed: tuple[Tensor, int] | None, grad: Tensor) -> bool:
+    """Whether ``grad`` is the very tensor ``zero_grad`` zeroed, unwritten since."""
+    return zeroed is not None and zeroed[0] is grad and zeroed[1] == grad._version
+
+
+def process(optimizer: torch.optim.Optimizer, master_weights: bool | torch.dtype | None,
+            on_close: Callable[..., None],
+            step_context: Callable[[], ContextManager] = contextlib.nullcontext,
+            optimizer_state: str = "fp32") -> OptimizerRecord:
+    """Make ``optimizer`` an amp optimizer.
+
+    Creates the fp32 masters when ``master_weights`` is set and wraps
+    ``step``, ``zero_grad`` and ``add_param_group``. Registers the undo
+    (:meth:`OptimizerRecord.restore`, or :meth:`OptimizerRecord.abort` when
+    initialize fails) with ``on_close`` first, so that it runs even when
+    installing fails half-way.
+
+    Args:
+        optimizer (torch.optim.Optimizer): built over the (already cast) model's params.
+        master_weights (bool or torch.dtype): keep masters of the half params:
+            fp32 (True, ``torch.float32``) or bf16 (``torch.bfloat16``, with
+            stochastic rounding; a bf16 param is its own master).
+        on_close (callable): ``on_close(what, undo, abort=...)`` registers an undo with
+            the session.
+        step_context (callable, optional): returns the context manager that
+            ``step()`` runs in. Default: none.
+        optimizer_state (str, optional): the optimizer's state format (see
+            :mod:`amp_patch.optim.fused.state_format`). Default: ``"fp32"``.
+
+    Returns:
+        OptimizerRecord: the record, for the session to keep.
+
+    Raises:
+        ValueError: a low-precision ``optimizer_state`` or bf16 masters for an
+            optimizer that cannot keep them (anything but FusedAdam, FusedSGD, FusedLAMB).
+
+    Example::
+
+        >>> undos = []
+        >>> on_close = lambda what, undo, abort=None: undos.append(undo)  # the session's on_close
+        >>> record = process(optimizer, True, on_close, amp.disable_casts)
+        >>> all(p.dtype == torch.float32 for p in record.stepped_params())
+        True
+    """
+    lean = optimizer_state != "fp32" or master_weights == torch.bfloat16
+    if lean:
+        _check_lean(optimizer, optimizer_state, master_weights)
+    record = OptimizerRecord(optimizer, master_weights, step_context)
+    if lean:
+        fused = _fused(optimizer)
+        previous = (fused.state_format, fused.stochastic_rounding)
+        on_close(f"{type(fused).__name__}'s state format",
+                 lambda: fused.set_state_format(*previous))
+        fused.set_state_format(optimizer_state,
+                               stochastic_rounding=master_weights == torch.bfloat16)
+    # What a failed initialize puts back: the param lists and state entries themselves.
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    state = {p: optimizer.state[p] for params in groups for p in params if p in optimizer.state}
+    on_close(f"{type(optimizer).__name__} methods and masters", record.restore,
+             abort=lambda: record.abort(groups, state))
+    record.install()
+    return record
+
+
+def _fused(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer that keeps the state: the one a LARC wraps, else itself."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _check_lean(optimizer: torch.optim.Optimizer, optimizer_state: str,
+                master_weights: bool | torch.dtype | None) -> None:
+    fused = _fused(optimizer)
+    if getattr(fused, "LEAN_STATE", False):
+        return
+    asked = " and ".join(
+        ([f"optimizer_state={optimizer_state!r}"] if optimizer_state != "fp32" else [])
+        + (["master_weights='bf16'"] if master_weights == torch.bfloat16 else []))
+    raise ValueError(
+        f"{asked} needs an optimizer that keeps low-precision state and rounds bf16 params "
+        f"stochastically: amp_patch.optim.fused.FusedAdam, FusedSGD or FusedLAMB. "
+        f"{type(fused).__name__} "
+        "keeps its own fp32 state; build the optimizer as FusedAdam(params, ...) (the same "
+        "arguments as torch.optim.AdamW) or FusedSGD, or leave optimizer_state at 'fp32'.")

@@ -1,0 +1,33 @@
+"""Apex's fused optimizers, as users import them: ``from amp_patch.optimizers import FusedAdam``.
+
+The classes live in :mod:`amp_patch.optim.fused` (docs/optimizers.md); ``amp-patch run``
+serves the same classes as ``apex.optimizers``.
+
+Example:
+    >>> import torch
+    >>> from amp_patch.optimizers import FusedAdam
+    >>> FusedAdam(torch.nn.Linear(2, 2).parameters(), lr=1e-3).defaults["lr"]
+    0.001
+"""
+
+from amp_patch.optim.fused import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedOptimizer,
+    FusedSGD,
+    FusedStepInputs,
+)
+
+__all__ = [
+    "FusedAdam",
+    "FusedLAMB",
+    "FusedMixedPrecisionLamb",
+    "FusedSGD",
+    "FusedNovoGrad",
+    "FusedAdagrad",
+    "FusedStepInputs",
+    "FusedOptimizer",
+]
