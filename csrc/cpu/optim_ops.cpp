@@ -32,9 +32,9 @@
 
 #include "check.h"
 #include "cpu/kernel_table.h"
-#include "cpu/optim_args.h"
 #include "cpu/optim_table.h"
 #include "cpu/plan.h"
+#include "optim_args.h"
 
 namespace amp_patch::cpu {
 

@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "cpu/kernel_table.h"
-#include "cpu/optim_math.h"
+#include "optim_math.h"
 
 namespace amp_patch::cpu {
 

@@ -1,7 +1,7 @@
 // The single-sweep optimizer ops on CUDA: multi_tensor_adam_, _sgd_, _adagrad_
 // and _novograd_. Each chunk is one sweep (SweepOp, optim_lists.cuh) that reads
 // the grad, the param and the state, applies the update rule of
-// csrc/cpu/optim_math.h, and writes the param, the state and the optional half
+// csrc/optim_math.h, and writes the param, the state and the optional half
 // model copy. A set noop flag makes every block return before it touches memory.
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>

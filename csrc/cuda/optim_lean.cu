@@ -8,7 +8,7 @@
 // block_size consecutive elements of a row. One warp handles one state block,
 // in chunks of kLeanChunk elements, kLeanVec consecutive ones per lane: it
 // decodes the state with the block's old scale, applies the update rule of
-// csrc/cpu/optim_math.h on RnFloat (the reference's fp32 arithmetic, one
+// csrc/optim_math.h on RnFloat (the reference's fp32 arithmetic, one
 // rounding per operation), takes the block's largest magnitude of each new
 // state with warp shuffles (NaN propagating, as torch's amax), and then encodes
 // the state with the new scale and writes the param (stochastically rounded

@@ -1,5 +1,5 @@
 // Shared by the CUDA optimizer ops (optim_*.cu): the round-to-nearest float
-// type that instantiates the update rules of csrc/cpu/optim_math.h, element
+// type that instantiates the update rules of csrc/optim_math.h, element
 // access by run-time dtype, the chunk sweep, and the host-side plan that turns
 // an op's lists into multi_tensor_apply tasks grouped by dtype combination.
 #pragma once
@@ -39,8 +39,8 @@ __device__ __forceinline__ RnFloat sqrt_rn(RnFloat a) { return __fsqrt_rn(a.v); 
 
 }  // namespace amp_patch::optim
 
-#include "cpu/optim_args.h"
-#include "cpu/optim_math.h"
+#include "optim_args.h"
+#include "optim_math.h"
 
 namespace amp_patch::cuda {
 

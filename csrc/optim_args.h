@@ -1,5 +1,5 @@
 // The optimizer ops' C++ entry points, shared by the CPU kernels
-// (optim_ops.cpp) and the CUDA kernels (csrc/cuda/optim_*.cu): each op's
+// (csrc/cpu/optim_ops.cpp) and the CUDA kernels (csrc/cuda/optim_*.cu): each op's
 // signature (as its schema in amp_patch/ops/optimizer_ops.py), its tensor lists and what it
 // does with each, and its hyper-parameters, written once. A backend B supplies
 // the work: B::adam(op, lists, flags, hyper) and so on; the kernels register
@@ -16,7 +16,7 @@
 #include <tuple>
 
 #include "check.h"
-#include "cpu/optim_math.h"
+#include "optim_math.h"
 
 namespace amp_patch::optim {
 
