@@ -1,0 +1,206 @@
+// The vectorised fp32 loops of the optimizer ops' update rules, one per rule
+// of csrc/optim_math.h, over fp32 arrays (optim_table.h's adam, adam_lean,
+// sgd, adagrad, novograd, lamb_moments and lamb_apply), and the vector
+// helpers the lean loops share with them. Like vec_loops.h, this header is
+// compiled once per instruction set: csrc/cpu/isa/{default,avx2,avx512}.cpp
+// include it (through optim_loops.h) after vec_loops.h, with CPU_CAPABILITY and
+// the compiler's target set first; vec_loops.h explains how the copies coexist
+// in one library and stay off CPUs that lack the ISA.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace amp_patch::optim {
+// Correctly rounded in every ISA (vsqrtps, or std::sqrt per lane), unlike
+// torch.sqrt on CPU; the reference ops round a float64 sqrt instead.
+inline at::vec::Vectorized<float> sqrt_rn(const at::vec::Vectorized<float>& x) {
+  return x.sqrt();
+}
+}  // namespace amp_patch::optim
+
+#include "cpu/optim_table.h"
+
+namespace amp_patch::cpu {
+namespace CPU_CAPABILITY {
+
+using FVec = at::vec::Vectorized<float>;
+
+// Calls body(i, count) over [0, n) one vector at a time; count < FVec::size()
+// only for the last. Partial loads fill the missing lanes with zeros, and
+// partial stores leave the memory past the end alone.
+template <typename Body>
+inline void for_vectors(int64_t n, Body&& body) {
+  constexpr int64_t w = FVec::size();
+  int64_t i = 0;
+  for (; i + w <= n; i += w) {
+    body(i, w);
+  }
+  if (i < n) {
+    body(i, n - i);
+  }
+}
+
+inline FVec load(const float* p, int64_t count) {
+  return FVec::loadu(p, count);
+}
+
+// The sum of the first `count` lanes of x * x, added into acc.
+inline void add_squares(FVec& acc, const FVec& x, int64_t count) {
+  const FVec y = count == FVec::size() ? x : FVec::set(FVec(0.0f), x, count);
+  acc = at::vec::fmadd(y, y, acc);
+}
+
+inline double lane_sum(const FVec& acc) {
+  float lanes[FVec::size()];
+  acc.store(lanes);
+  double total = 0.0;
+  for (float v : lanes) {
+    total += v;
+  }
+  return total;
+}
+
+// Each loop copies its hyper-parameters into a local first: the stores through
+// the float pointers could alias a struct behind a reference, so the compiler
+// would reload every field (and re-test every flag) once per vector.
+
+// Adam over fp32 tiles: Apex's rule (OptimTable::adam), or the lean ops'
+// (OptimTable::adam_lean: the decoded state of a tile the fused loop does not cover).
+template <bool kLean>
+void adam_tile_loop(const float* g, float* p, float* m, float* v, int64_t n,
+                    const optim::AdamHyper& hyper) {
+  const optim::AdamHyper h = hyper;
+  for_vectors(n, [&](int64_t i, int64_t c) {
+    FVec pv = load(p + i, c), mv = load(m + i, c), vv = load(v + i, c);
+    // The moments are stored before the param's division and square-root chain:
+    // it holds the loads of the next vectors back less (2-5% in a harness over
+    // 20 M params, at 1 and 2 threads).
+    optim::adam_update_moments(load(g + i, c), pv, mv, vv, h);
+    mv.store(m + i, c);
+    vv.store(v + i, c);
+    if constexpr (kLean) {
+      optim::adam_lean_param(pv, mv, vv, h);
+    } else {
+      optim::adam_update_param(pv, mv, vv, h);
+    }
+    pv.store(p + i, c);
+  });
+}
+
+// Adam over fp32 params and moments with grads of type G, writing the updated
+// params rounded to M into the model copy (M = void: none): the one-pass O2
+// step (bf16 grads, fp32 masters, bf16 model) reads and writes each element
+// once, with the grads widened and the params narrowed in registers rather
+// than through fp32 tiles. The conversions are the copy loops' own
+// (load_block, store_block) and the update is adam_tile_loop<false>'s, so the
+// bits are those of that loop between copy_loop calls.
+template <typename G, typename M>
+void adam_mixed_loop(const void* grads, float* p, float* m, float* v, void* model, int64_t n,
+                     const optim::AdamHyper& hyper) {
+  const optim::AdamHyper h = hyper;
+  const G* g = static_cast<const G*>(grads);
+  for_blocks(0, n, [&](int64_t i, int64_t c) {
+    FVec gv[2], pv[2];
+    load_block(g + i, c, gv[0], gv[1]);
+    for (int k = 0; k < 2; ++k) {
+      const int64_t at = i + k * kW;
+      const int64_t ck = std::min<int64_t>(std::max<int64_t>(c - k * kW, 0), kW);
+      FVec pk = load(p + at, ck), mk = load(m + at, ck), vk = load(v + at, ck);
+      optim::adam_update_moments(gv[k], pk, mk, vk, h);
+      mk.store(m + at, ck);
+      vk.store(v + at, ck);
+      optim::adam_update_param(pk, mk, vk, h);
+      pk.store(p + at, ck);
+      pv[k] = pk;
+    }
+    if constexpr (!std::is_void_v<M>) {
+      store_block(static_cast<M*>(model) + i, c, pv[0], pv[1]);
+    }
+  });
+}
+
+template <bool WithMomentum>
+void sgd_loop_impl(const float* g, float* p, float* mom, int64_t n, const optim::SgdHyper& hyper) {
+  const optim::SgdHyper h = hyper;
+  for_vectors(n, [&](int64_t i, int64_t c) {
+    FVec pv = load(p + i, c);
+    if constexpr (WithMomentum) {
+      FVec mv = load(mom + i, c);
+      optim::sgd_update(load(g + i, c), pv, &mv, h);
+      mv.store(mom + i, c);
+    } else {
+      optim::sgd_update(load(g + i, c), pv, static_cast<FVec*>(nullptr), h);
+    }
+    pv.store(p + i, c);
+  });
+}
+
+void sgd_loop(const float* g, float* p, float* mom, int64_t n, const optim::SgdHyper& hyper) {
+  if (hyper.momentum != 0.0f) {
+    sgd_loop_impl<true>(g, p, mom, n, hyper);
+  } else {
+    sgd_loop_impl<false>(g, p, mom, n, hyper);
+  }
+}
+
+void adagrad_loop(const float* g, float* p, float* sum, int64_t n,
+                  const optim::AdagradHyper& hyper) {
+  const optim::AdagradHyper h = hyper;
+  for_vectors(n, [&](int64_t i, int64_t c) {
+    FVec pv = load(p + i, c), sv = load(sum + i, c);
+    optim::adagrad_update(load(g + i, c), pv, sv, h);
+    pv.store(p + i, c);
+    sv.store(sum + i, c);
+  });
+}
+
+void novograd_loop(const float* g, float* p, float* m, int64_t n, float denom,
+                   const optim::NovoGradHyper& hyper) {
+  const optim::NovoGradHyper h = hyper;
+  const FVec d(denom);
+  for_vectors(n, [&](int64_t i, int64_t c) {
+    FVec pv = load(p + i, c), mv = load(m + i, c);
+    optim::novograd_update(load(g + i, c), pv, mv, d, h);
+    pv.store(p + i, c);
+    mv.store(m + i, c);
+  });
+}
+
+void lamb_moments_loop(const float* g, const float* p, float* m, float* v, int64_t n,
+                       const optim::LambHyper& hyper, double* sums) {
+  const optim::LambHyper h = hyper;
+  FVec p_acc(0.0f), u_acc(0.0f);
+  for_vectors(n, [&](int64_t i, int64_t c) {
+    // Without p (no weight decay, no trust ratio wanted) the terms that use it are skipped.
+    const FVec pv = p != nullptr ? load(p + i, c) : FVec(0.0f);
+    FVec mv = load(m + i, c), vv = load(v + i, c);
+    const FVec u = optim::lamb_moments(load(g + i, c), pv, mv, vv, h);
+    mv.store(m + i, c);
+    vv.store(v + i, c);
+    add_squares(p_acc, pv, c);
+    add_squares(u_acc, u, c);
+  });
+  if (p != nullptr) {
+    sums[0] += lane_sum(p_acc);
+  }
+  sums[1] += lane_sum(u_acc);
+}
+
+void lamb_apply_loop(float* p, const float* m, const float* v, int64_t n, float ratio,
+                     const optim::LambHyper& hyper) {
+  const optim::LambHyper h = hyper;
+  const FVec r(ratio);
+  for_vectors(n, [&](int64_t i, int64_t c) {
+    FVec pv = load(p + i, c);
+    optim::lamb_apply(pv, load(m + i, c), load(v + i, c), r, h);
+    pv.store(p + i, c);
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace amp_patch::cpu
