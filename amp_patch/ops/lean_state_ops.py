@@ -71,20 +71,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from amp_patch.ops import optim_reference as ref
 from amp_patch.ops._library import _check_rows, _ops, register
-from amp_patch.ops.optimizer_ops import (
-    _adam_constants,
-    _adam_new_moments,
-    _check_sgd_lists,
-    _commit,
-    _f32,
-    _grad32,
-    _keep,
-    _lamb_stage1_fake,
-    _one_minus,
-    _sgd_update,
-    _sqrt_rn,
-)
 
 __all__ = [
     "BLOCK_SIZE",
@@ -242,7 +230,7 @@ def encode(x: Tensor, dtype: torch.dtype, block_size: int = BLOCK_SIZE,
     top = _CODE_MAX[dtype]
     xb = _blocked(x, block_size)
     if dtype == torch.uint8:
-        xb = _sqrt_rn(xb)
+        xb = ref.sqrt_rn(xb)
     scale = (xb.abs().amax(dim=-1) if xb.numel() else xb.new_zeros(xb.shape[:-1])).contiguous()
     factor = _factor(scale, top, 1.0).unsqueeze(-1)  # top / s
     # An inf scale gives the finite factor 0: the block is as unusable as a NaN one.
@@ -445,16 +433,16 @@ def _lean_constants(b1: float, b2: float, step: int, enabled: bool, lr: float,
     them (see the module's "Adam"); ``lr`` and ``wd`` are fp32 values already."""
     inv_bc1, inv_sqrt_bc2 = 1.0, 1.0
     if enabled:
-        inv_bc1 = _f32(1.0 / (1.0 - b1 ** step))
-        inv_sqrt_bc2 = _f32(1.0 / math.sqrt(1.0 - b2 ** step))
-    return _f32(lr * inv_bc1), inv_sqrt_bc2, _f32(1.0 - lr * wd)
+        inv_bc1 = ref.f32(1.0 / (1.0 - b1 ** step))
+        inv_sqrt_bc2 = ref.f32(1.0 / math.sqrt(1.0 - b2 ** step))
+    return ref.f32(lr * inv_bc1), inv_sqrt_bc2, ref.f32(1.0 - lr * wd)
 
 
 def _adam_lean_param(p: Tensor, m: Tensor, v: Tensor, step_size: float, inv_sqrt_bc2: float,
                      eps: float, decay: float | None) -> Tensor:
     """The lean Adam's param ``p * decay - (m * step_size) / (sqrt(v) * inv_sqrt_bc2 + eps)``
     (no ``decay`` factor when None): one division and one square root per element."""
-    step = (m * step_size) / (_sqrt_rn(v) * inv_sqrt_bc2 + eps)
+    step = (m * step_size) / (ref.sqrt_rn(v) * inv_sqrt_bc2 + eps)
     if decay is not None:
         p = p * decay
     return p - step
@@ -465,9 +453,9 @@ def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg
                    adam_w_mode, bias_correction, block_size, seed) -> None:
     _check_moment_lists("multi_tensor_adam_lean_", grads, params, exp_avgs, exp_avg_scales,
                         exp_avg_sqs, exp_avg_sq_scales, model_params, block_size)
-    keep = _keep(noop)
-    b1, b2, c1, c2, _, _, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay, step,
-                                                        bias_correction)
+    skip = ref.skip_mask(noop)
+    b1, b2, c1, c2, _, _, lr, eps, wd = ref.adam_constants(
+        beta1, beta2, lr, eps, weight_decay, step, bias_correction)
     step_size, inv_sqrt_bc2, decay = _lean_constants(b1, b2, step, bias_correction, lr, wd)
     decoupled = decay if adam_w_mode and wd != 0.0 else None
     for i, grad in enumerate(grads):
@@ -476,30 +464,30 @@ def _adam_lean_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg
         p = params[i].float()
         m = decode(exp_avgs[i], _scale_of(exp_avgs, exp_avg_scales, i), block_size)
         v = decode(exp_avg_sqs[i], _scale_of(exp_avg_sqs, exp_avg_sq_scales, i), block_size)
-        m, v = _adam_new_moments(_grad32(grad, inv_scale), p, m, v, b1, b2, c1, c2, wd,
-                                 adam_w_mode)
+        m, v = ref.adam_new_moments(ref.grad32(grad, inv_scale), p, m, v, b1, b2, c1, c2, wd,
+                                    adam_w_mode)
         p = _adam_lean_param(p, m, v, step_size, inv_sqrt_bc2, eps, decoupled)
         m_codes, m_scale = encode(m, exp_avgs[i].dtype, block_size)
         v_codes, v_scale = encode(v, exp_avg_sqs[i].dtype, block_size)
         stored = _store_param(params[i], p, seed, step, i)
-        _commit(keep, (params[i], stored),
-                *_scale_pairs(exp_avgs, exp_avg_scales, i, m_codes, m_scale),
-                *_scale_pairs(exp_avg_sqs, exp_avg_sq_scales, i, v_codes, v_scale),
-                *_model_copy(model_params, i, stored))
+        ref.commit(skip, (params[i], stored),
+                   *_scale_pairs(exp_avgs, exp_avg_scales, i, m_codes, m_scale),
+                   *_scale_pairs(exp_avg_sqs, exp_avg_sq_scales, i, v_codes, v_scale),
+                   *_model_copy(model_params, i, stored))
 
 
 def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params, noop,
                   inv_scale, lr, weight_decay, momentum, dampening, nesterov, first_run,
                   wd_after_momentum, step, block_size, seed) -> None:
     op = "multi_tensor_sgd_lean_"
-    _check_sgd_lists(op, grads, params, momentum_buffers, model_params, momentum)
+    ref.check_sgd_lists(op, grads, params, momentum_buffers, model_params, momentum)
     _check_common(op, params, block_size)
     if momentum != 0.0:
         _check_state(op, "momentum_buffers", momentum_buffers, "momentum_scales",
                      momentum_scales, block_size)
-    keep = _keep(noop)
-    lr, wd, mu = _f32(lr), _f32(weight_decay), _f32(momentum)
-    c_damp = _one_minus(_f32(dampening))
+    skip = ref.skip_mask(noop)
+    lr, wd, mu = ref.f32(lr), ref.f32(weight_decay), ref.f32(momentum)
+    c_damp = ref.one_minus(ref.f32(dampening))
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
@@ -507,14 +495,14 @@ def _sgd_lean_ref(grads, params, momentum_buffers, momentum_scales, model_params
             scales = _scale_of(momentum_buffers, momentum_scales, i)
             return decode(momentum_buffers[i], scales, block_size)
 
-        p, buf = _sgd_update(_grad32(grad, inv_scale), params[i].float(), old, lr, wd, mu, c_damp,
-                             nesterov, first_run, wd_after_momentum)
+        p, buf = ref.sgd_update(ref.grad32(grad, inv_scale), params[i].float(), old, lr, wd, mu,
+                                c_damp, nesterov, first_run, wd_after_momentum)
         state: list[tuple[Tensor, Tensor]] = []
         if buf is not None:
             codes, scale = encode(buf, momentum_buffers[i].dtype, block_size)
             state = _scale_pairs(momentum_buffers, momentum_scales, i, codes, scale)
         stored = _store_param(params[i], p, seed, step, i)
-        _commit(keep, (params[i], stored), *state, *_model_copy(model_params, i, stored))
+        ref.commit(skip, (params[i], stored), *state, *_model_copy(model_params, i, stored))
 
 
 def _lamb_lean_inputs(i, params, exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales,
@@ -561,7 +549,7 @@ def _lamb_lean_stage2_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
         if t.shape != (len(params),):
             raise RuntimeError(f"amp_patch::{op}: {name} must have one element per tensor "
                                f"({len(params)}), got shape {tuple(t.shape)}")
-    keep = _keep(noop)
+    skip = ref.skip_mask(noop)
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
@@ -578,10 +566,10 @@ def _lamb_lean_stage2_ref(grads, params, exp_avgs, exp_avg_scales, exp_avg_sqs,
         m_codes, m_scale = encode(m, exp_avgs[i].dtype, block_size)
         v_codes, v_scale = encode(v, exp_avg_sqs[i].dtype, block_size)
         stored = _store_param(params[i], p, seed, step, i)
-        _commit(keep, (params[i], stored),
-                *_scale_pairs(exp_avgs, exp_avg_scales, i, m_codes, m_scale),
-                *_scale_pairs(exp_avg_sqs, exp_avg_sq_scales, i, v_codes, v_scale),
-                *_model_copy(model_params, i, stored))
+        ref.commit(skip, (params[i], stored),
+                   *_scale_pairs(exp_avgs, exp_avg_scales, i, m_codes, m_scale),
+                   *_scale_pairs(exp_avg_sqs, exp_avg_sq_scales, i, v_codes, v_scale),
+                   *_model_copy(model_params, i, stored))
 
 
 _LEAN_REFERENCE: dict[str, Callable[..., Any]] = {
@@ -590,7 +578,7 @@ _LEAN_REFERENCE: dict[str, Callable[..., Any]] = {
     "multi_tensor_lamb_lean_stage1_": _lamb_lean_stage1_ref,
     "multi_tensor_lamb_lean_stage2_": _lamb_lean_stage2_ref,
 }
-register(_LEAN_SCHEMAS, _LEAN_REFERENCE, {"multi_tensor_lamb_lean_stage1_": _lamb_stage1_fake})
+register(_LEAN_SCHEMAS, _LEAN_REFERENCE, {"multi_tensor_lamb_lean_stage1_": ref.lamb_norms_fake})
 
 
 # --------------------------------------------------------------------------- public wrappers

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from amp_patch.ops import optim_reference as ref
 from amp_patch.ops._library import _check_rows, _ops, register
 
 __all__ = [
@@ -78,85 +79,8 @@ _OPTIM_SCHEMAS = {
 }
 
 
-def _f32(x: float) -> float:
-    """``x`` rounded to the nearest float32, as the kernels take their scalars."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
-def _one_minus(x: float) -> float:
-    """``1 - x`` computed in float32 (x already a float32 value)."""
-    return (torch.ones((), dtype=torch.float32) - x).item()
-
-
-def _bias_correction(beta: float, step: int, enabled: bool) -> float:
-    return _f32(1.0 - beta ** step) if enabled else 1.0
-
-
-def _div(x: Tensor, c: float) -> Tensor:
-    # A tensor divisor: CUDA turns division by a Python scalar into a multiply by
-    # its reciprocal, which the kernels (true division) would not match.
-    return x / torch.full((), c, dtype=torch.float32, device=x.device)
-
-
-def _sqrt_rn(x: Tensor) -> Tensor:
-    # torch.sqrt on CPU is not correctly rounded for float32; a float64 sqrt
-    # (error < 1 ulp) rounded to float32 is, for every float32 input.
-    return x.double().sqrt().float()
-
-
-def _keep(noop: Tensor | None) -> Tensor | None:
-    """A 0-dim bool that is True when the step must leave everything as it is."""
-    return None if noop is None else noop.reshape(()) != 0
-
-
-def _commit(keep: Tensor | None, *pairs: tuple[Tensor, Tensor]) -> None:
-    """Write each new value into its tensor; under ``keep``, write the old bits back."""
-    for dst, value in pairs:
-        value = value.to(dst.dtype)
-        dst.copy_(value if keep is None else torch.where(keep, dst, value))
-
-
-def _grad32(g: Tensor, inv_scale: Tensor | None) -> Tensor:
-    g = g.float()
-    return g if inv_scale is None else g * inv_scale.reshape(()).to(g.device)
-
-
 def _out(model_params: Sequence[Tensor], i: int, p: Tensor) -> list[tuple[Tensor, Tensor]]:
     return [(model_params[i], p)] if model_params else []
-
-
-def _adam_direction(m: Tensor, v: Tensor, p: Tensor | None, bc1: float, bc2: float, eps: float,
-                    wd: float, adam_w_mode: bool) -> Tensor:
-    """Adam's update direction from the moments, with AdamW's decay term (LAMB's too)."""
-    u = _div(m, bc1) / (_sqrt_rn(_div(v, bc2)) + eps)
-    if adam_w_mode and wd != 0.0:
-        u = u + wd * p  # type: ignore[operator]  # LAMB and AdamW always pass p
-    return u
-
-
-def _adam_new_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, b2: float,
-                      c1: float, c2: float, wd: float, adam_w_mode: bool) -> tuple[Tensor, Tensor]:
-    """New moments from an unscaled grad, with L2 decay outside AdamW mode (LAMB: c1 is beta3)."""
-    if not adam_w_mode and wd != 0.0:
-        g = g + wd * p  # type: ignore[operator]  # p is given whenever decay applies
-    return b1 * m.float() + c1 * g, b2 * v.float() + c2 * g * g
-
-
-def _adam_moments(g: Tensor, p: Tensor | None, m: Tensor, v: Tensor, b1: float, b2: float,
-                  c1: float, c2: float, bc1: float, bc2: float, eps: float, wd: float,
-                  adam_w_mode: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """New moments from an unscaled grad, and the direction (LAMB: c1 is beta3)."""
-    m, v = _adam_new_moments(g, p, m, v, b1, b2, c1, c2, wd, adam_w_mode)
-    return m, v, _adam_direction(m, v, p, bc1, bc2, eps, wd, adam_w_mode)
-
-
-def _adam_constants(beta1: float, beta2: float, lr: float, eps: float, weight_decay: float,
-                    step: int, bias_correction: bool) -> tuple[float, ...]:
-    """Adam's hyper-parameters as the kernels take them: ``(b1, b2, 1-b1, 1-b2, bc1, bc2, lr,
-    eps, wd)``, each rounded to fp32 once."""
-    b1, b2 = _f32(beta1), _f32(beta2)
-    return (b1, b2, _one_minus(b1), _one_minus(b2), _bias_correction(b1, step, bias_correction),
-            _bias_correction(b2, step, bias_correction), _f32(lr), _f32(eps), _f32(weight_decay))
 
 
 def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scale, lr, beta1,
@@ -164,9 +88,9 @@ def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scal
               bias_corrections=None) -> None:
     _check_rows("multi_tensor_adam_", grads=grads, params=params, exp_avgs=exp_avgs,
                 exp_avg_sqs=exp_avg_sqs, model_params=model_params or None)
-    keep = _keep(noop)
-    b1, b2, c1, c2, bc1, bc2, lr, eps, wd = _adam_constants(beta1, beta2, lr, eps, weight_decay,
-                                                            step, bias_correction)
+    skip = ref.skip_mask(noop)
+    b1, b2, c1, c2, bc1, bc2, lr, eps, wd = ref.adam_constants(
+        beta1, beta2, lr, eps, weight_decay, step, bias_correction)
     if bias_corrections is not None:
         _check_bias_corrections(bias_corrections, params)
         bc1, bc2 = bias_corrections.tolist()  # the reference reads them on the host
@@ -174,11 +98,11 @@ def _adam_ref(grads, params, exp_avgs, exp_avg_sqs, model_params, noop, inv_scal
         if grad.numel() == 0:
             continue
         p = params[i].float()
-        m, v, u = _adam_moments(_grad32(grad, inv_scale), p, exp_avgs[i], exp_avg_sqs[i], b1, b2,
-                                c1, c2, bc1, bc2, eps, wd, adam_w_mode)
+        m, v, u = ref.adam_moments(ref.grad32(grad, inv_scale), p, exp_avgs[i], exp_avg_sqs[i],
+                                   b1, b2, c1, c2, bc1, bc2, eps, wd, adam_w_mode)
         p = p - lr * u
-        _commit(keep, (params[i], p), (exp_avgs[i], m), (exp_avg_sqs[i], v),
-                *_out(model_params, i, p))
+        ref.commit(skip, (params[i], p), (exp_avgs[i], m), (exp_avg_sqs[i], v),
+                   *_out(model_params, i, p))
 
 
 def _check_bias_corrections(bc: Tensor, params: Sequence[Tensor]) -> None:
@@ -235,68 +159,43 @@ def fp32_betas(beta1: float, beta2: float, device: torch.device) -> Tensor:
     return torch.tensor([beta1, beta2], dtype=torch.float32).double().to(device, non_blocking=True)
 
 
-def _check_sgd_lists(op: str, grads, params, momentum_buffers, model_params,
-                     momentum: float) -> None:
-    if momentum != 0.0 and len(momentum_buffers) != len(grads):
-        raise RuntimeError(f"amp_patch::{op}: momentum is {momentum} but momentum_buffers has "
-                           f"{len(momentum_buffers)} tensors for {len(grads)} grads")
-    _check_rows(op, grads=grads, params=params,
-                momentum_buffers=momentum_buffers if momentum != 0.0 else None,
-                model_params=model_params or None)
-
-
-def _sgd_update(g: Tensor, p: Tensor, old_buf: Callable[[], Tensor], lr: float, wd: float,
-                mu: float, c_damp: float, nesterov: bool, first_run: bool,
-                wd_after_momentum: bool) -> tuple[Tensor, Tensor | None]:
-    """Apex's SGD rule in fp32: the new param, and the new momentum buffer (None without
-    momentum). ``old_buf()`` reads the old buffer as fp32; a first run does not call it."""
-    if wd != 0.0 and not wd_after_momentum:
-        g = g + wd * p
-    buf = None
-    if mu != 0.0:
-        buf = g if first_run else mu * old_buf() + c_damp * g
-        g = g + mu * buf if nesterov else buf
-    if wd != 0.0 and wd_after_momentum:
-        g = g + wd * p
-    return p - lr * g, buf
-
-
 def _sgd_ref(grads, params, momentum_buffers, model_params, noop, inv_scale, lr, weight_decay,
              momentum, dampening, nesterov, first_run, wd_after_momentum) -> None:
-    _check_sgd_lists("multi_tensor_sgd_", grads, params, momentum_buffers, model_params, momentum)
-    keep = _keep(noop)
-    lr, wd, mu = _f32(lr), _f32(weight_decay), _f32(momentum)
-    c_damp = _one_minus(_f32(dampening))
+    ref.check_sgd_lists("multi_tensor_sgd_", grads, params, momentum_buffers, model_params,
+                        momentum)
+    skip = ref.skip_mask(noop)
+    lr, wd, mu = ref.f32(lr), ref.f32(weight_decay), ref.f32(momentum)
+    c_damp = ref.one_minus(ref.f32(dampening))
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
         def old(i: int = i) -> Tensor:
             return momentum_buffers[i].float()
 
-        p, buf = _sgd_update(_grad32(grad, inv_scale), params[i].float(), old, lr, wd, mu,
-                             c_damp, nesterov, first_run, wd_after_momentum)
+        p, buf = ref.sgd_update(ref.grad32(grad, inv_scale), params[i].float(), old, lr, wd, mu,
+                                c_damp, nesterov, first_run, wd_after_momentum)
         state = [] if buf is None else [(momentum_buffers[i], buf)]
-        _commit(keep, (params[i], p), *state, *_out(model_params, i, p))
+        ref.commit(skip, (params[i], p), *state, *_out(model_params, i, p))
 
 
 def _adagrad_ref(grads, params, state_sums, model_params, noop, inv_scale, lr, eps, weight_decay,
                  adagrad_w_mode) -> None:
     _check_rows("multi_tensor_adagrad_", grads=grads, params=params, state_sums=state_sums,
                 model_params=model_params or None)
-    keep = _keep(noop)
-    lr, eps, wd = _f32(lr), _f32(eps), _f32(weight_decay)
+    skip = ref.skip_mask(noop)
+    lr, eps, wd = ref.f32(lr), ref.f32(eps), ref.f32(weight_decay)
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
-        g, p = _grad32(grad, inv_scale), params[i].float()
+        g, p = ref.grad32(grad, inv_scale), params[i].float()
         if not adagrad_w_mode and wd != 0.0:
             g = g + wd * p
         h = state_sums[i].float() + g * g
-        update = g / (_sqrt_rn(h) + eps)
+        update = g / (ref.sqrt_rn(h) + eps)
         if adagrad_w_mode and wd != 0.0:
             update = update + wd * p
         p = p - lr * update
-        _commit(keep, (params[i], p), (state_sums[i], h), *_out(model_params, i, p))
+        ref.commit(skip, (params[i], p), (state_sums[i], h), *_out(model_params, i, p))
 
 
 def _novograd_ref(grads, params, exp_avgs, grad_norms, model_params, noop, inv_scale, lr, beta1,
@@ -307,36 +206,30 @@ def _novograd_ref(grads, params, exp_avgs, grad_norms, model_params, noop, inv_s
     if grad_norms.shape != (len(grads),):
         raise RuntimeError(f"amp_patch::{op}: grad_norms must have one element per tensor "
                            f"({len(grads)}), got shape {tuple(grad_norms.shape)}")
-    keep = _keep(noop)
-    b1, lr, eps, wd = _f32(beta1), _f32(lr), _f32(eps), _f32(weight_decay)
-    b3 = _one_minus(b1) if grad_averaging else 1.0
-    bc1 = _bias_correction(b1, step, bias_correction)
+    skip = ref.skip_mask(noop)
+    b1, lr, eps, wd = ref.f32(beta1), ref.f32(lr), ref.f32(eps), ref.f32(weight_decay)
+    b3 = ref.one_minus(b1) if grad_averaging else 1.0
+    bc1 = ref.bias_corr(b1, step, bias_correction)
     # The second moment is a norm, so its correction is a square root.
-    bc2 = _f32(math.sqrt(1.0 - _f32(beta2) ** step)) if bias_correction else 1.0
+    bc2 = ref.f32(math.sqrt(1.0 - ref.f32(beta2) ** step)) if bias_correction else 1.0
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
-        denom = _div(grad_norms[i].float(), bc2) + eps
-        g, p = _grad32(grad, inv_scale), params[i].float()
+        denom = ref.div_rn(grad_norms[i].float(), bc2) + eps
+        g, p = ref.grad32(grad, inv_scale), params[i].float()
         if reg_inside_moment:
             g = g / denom
             if wd != 0.0:
                 g = g + wd * p
             m = b1 * exp_avgs[i].float() + b3 * g
-            p = p - lr * _div(m, bc1)
+            p = p - lr * ref.div_rn(m, bc1)
         else:
             m = b1 * exp_avgs[i].float() + b3 * g
-            update = _div(m, bc1) / denom
+            update = ref.div_rn(m, bc1) / denom
             if wd != 0.0:
                 update = update + wd * p
             p = p - lr * update
-        _commit(keep, (params[i], p), (exp_avgs[i], m), *_out(model_params, i, p))
-
-
-def _lamb_uses_ratio(weight_decay: float, use_nvlamb: bool) -> bool:
-    """Whether LAMB scales a step by the trust ratio (and so needs stage 1's norms): with weight
-    decay, or for every tensor with NVLAMB. The kernels decide it alike (lamb_needs_norms)."""
-    return bool(use_nvlamb) or weight_decay != 0.0
+        ref.commit(skip, (params[i], p), (exp_avgs[i], m), *_out(model_params, i, p))
 
 
 def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, global_grad_norm,
@@ -344,32 +237,33 @@ def _lamb_stage1_ref(grads, params, exp_avgs, exp_avg_sqs, noop, inv_scale, glob
                      grad_averaging, adam_w_mode, use_nvlamb) -> tuple[Tensor, Tensor]:
     _check_rows("multi_tensor_lamb_stage1_", grads=grads, params=params, exp_avgs=exp_avgs,
                 exp_avg_sqs=exp_avg_sqs)
-    keep = _keep(noop)
-    b1, b2, eps, wd = _f32(beta1), _f32(beta2), _f32(eps), _f32(weight_decay)
-    b3 = _one_minus(b1) if grad_averaging else 1.0
-    c2 = _one_minus(b2)
-    bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
-    norms_wanted = _lamb_uses_ratio(weight_decay, use_nvlamb)
+    skip = ref.skip_mask(noop)
+    b1, b2, eps, wd = ref.f32(beta1), ref.f32(beta2), ref.f32(eps), ref.f32(weight_decay)
+    b3 = ref.one_minus(b1) if grad_averaging else 1.0
+    c2 = ref.one_minus(b2)
+    bc1 = ref.bias_corr(b1, step, bias_correction)
+    bc2 = ref.bias_corr(b2, step, bias_correction)
+    norms_wanted = ref.lamb_uses_ratio(weight_decay, use_nvlamb)
     device = grads[0].device if grads else torch.device("cpu")
-    norm = _grad32(global_grad_norm.reshape(()), inv_scale)
-    max_norm = _f32(max_grad_norm)
+    norm = ref.grad32(global_grad_norm.reshape(()), inv_scale)
+    max_norm = ref.f32(max_grad_norm)
     clip = torch.ones((), device=norm.device)
     if max_norm > 0.0:
-        clip = torch.where(norm > max_norm, _div(norm, max_norm), clip)
+        clip = torch.where(norm > max_norm, ref.div_rn(norm, max_norm), clip)
     sums = torch.zeros(2, len(grads), dtype=torch.float64, device=device)
     for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
         p = params[i].float() if norms_wanted else None
-        m, v, u = _adam_moments(_grad32(grad, inv_scale) / clip, p, exp_avgs[i], exp_avg_sqs[i],
-                                b1, b2, b3, c2, bc1, bc2, eps, wd, adam_w_mode)
+        m, v, u = ref.adam_moments(ref.grad32(grad, inv_scale) / clip, p, exp_avgs[i],
+                                   exp_avg_sqs[i], b1, b2, b3, c2, bc1, bc2, eps, wd, adam_w_mode)
         if norms_wanted:
             sums[0, i] = p.double().square().sum()  # type: ignore[union-attr]  # norms_wanted
         sums[1, i] = u.double().square().sum()
-        _commit(keep, (exp_avgs[i], m), (exp_avg_sqs[i], v))
+        ref.commit(skip, (exp_avgs[i], m), (exp_avg_sqs[i], v))
     norms = sums.sqrt().float()
-    if keep is not None:
-        norms = torch.where(keep, torch.zeros_like(norms), norms)
+    if skip is not None:
+        norms = torch.where(skip, torch.zeros_like(norms), norms)
     return norms[0].clone(), norms[1].clone()
 
 
@@ -383,27 +277,23 @@ def _lamb_stage2_ref(params, exp_avgs, exp_avg_sqs, param_norms, update_norms, m
         if t.shape != (len(params),):
             raise RuntimeError(f"amp_patch::{op}: {name} must have one element per tensor "
                                f"({len(params)}), got shape {tuple(t.shape)}")
-    keep = _keep(noop)
-    b1, b2, lr, eps, wd = _f32(beta1), _f32(beta2), _f32(lr), _f32(eps), _f32(weight_decay)
-    bc1, bc2 = _bias_correction(b1, step, bias_correction), _bias_correction(b2, step, bias_correction)
+    skip = ref.skip_mask(noop)
+    b1, b2, lr, eps = ref.f32(beta1), ref.f32(beta2), ref.f32(lr), ref.f32(eps)
+    wd = ref.f32(weight_decay)
+    bc1 = ref.bias_corr(b1, step, bias_correction)
+    bc2 = ref.bias_corr(b2, step, bias_correction)
     for i, param in enumerate(params):
         if param.numel() == 0:
             continue
         ratio = torch.full((), lr, dtype=torch.float32, device=param.device)
-        if _lamb_uses_ratio(weight_decay, use_nvlamb):
+        if ref.lamb_uses_ratio(weight_decay, use_nvlamb):
             pn, un = param_norms[i], update_norms[i]
             ratio = torch.where((pn != 0) & (un != 0), lr * (pn / un), ratio)
         p = param.float()
-        u = _adam_direction(exp_avgs[i].float(), exp_avg_sqs[i].float(), p, bc1, bc2, eps, wd,
-                            adam_w_mode)
+        u = ref.adam_direction(exp_avgs[i].float(), exp_avg_sqs[i].float(), p, bc1, bc2, eps, wd,
+                               adam_w_mode)
         p = p - ratio * u
-        _commit(keep, (params[i], p), *_out(model_params, i, p))
-
-
-def _lamb_stage1_fake(grads, *args) -> tuple[Tensor, Tensor]:
-    device = grads[0].device if grads else torch.device("cpu")
-    return (torch.empty(len(grads), dtype=torch.float32, device=device),
-            torch.empty(len(grads), dtype=torch.float32, device=device))
+        ref.commit(skip, (params[i], p), *_out(model_params, i, p))
 
 
 _OPTIM_REFERENCE: dict[str, Callable[..., Any]] = {
@@ -414,7 +304,7 @@ _OPTIM_REFERENCE: dict[str, Callable[..., Any]] = {
     "multi_tensor_lamb_stage1_": _lamb_stage1_ref,
     "multi_tensor_lamb_stage2_": _lamb_stage2_ref,
 }
-_OPTIM_FAKES: dict[str, Callable[..., Any]] = {"multi_tensor_lamb_stage1_": _lamb_stage1_fake}
+_OPTIM_FAKES: dict[str, Callable[..., Any]] = {"multi_tensor_lamb_stage1_": ref.lamb_norms_fake}
 register(_OPTIM_SCHEMAS, _OPTIM_REFERENCE, _OPTIM_FAKES)
 
 

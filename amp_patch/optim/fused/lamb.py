@@ -30,7 +30,7 @@ from torch import Tensor
 
 from amp_patch import ops
 from amp_patch.helpers.tensors import local_tensors
-from amp_patch.ops.optimizer_ops import _lamb_uses_ratio
+from amp_patch.ops.optim_reference import lamb_uses_ratio
 from amp_patch.optim.fused._base import FusedOptimizer, _Batch, lean_scales, whole_tensor_norms
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
@@ -82,7 +82,7 @@ class _LambBase(FusedOptimizer):
     @staticmethod
     def _trust_ratio(hyper: dict[str, Any]) -> bool:
         """Whether a group's steps scale by the trust ratio, and so need stage 1's norms."""
-        return _lamb_uses_ratio(hyper["weight_decay"], hyper["use_nvlamb"])
+        return lamb_uses_ratio(hyper["weight_decay"], hyper["use_nvlamb"])
 
     def _lean_batch(self, b: _Batch, norm: Tensor, lr: float, stage1: dict[str, Any]) -> None:
         """LAMB over low-precision state (or bf16 params): the two lean stages. Stage 1 reads
