@@ -9,6 +9,7 @@ torch==<other>`` under an installed amp_patch.
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -174,3 +175,22 @@ def test_kernel_checks_build_their_messages_without_streams():
                         offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
 
+
+
+def test_the_sources_stay_within_cplusplus17():
+    # torch 2.11 and older compile the extension as C++17 (torch 2.14's helper picks C++20, and
+    # `make check-cuda` builds against it), so a C++20 construct would build here and fail there.
+    root = os.path.join(os.path.dirname(_buildspec.__file__), os.pardir, "csrc")
+    cxx20 = re.compile(r"\brequires\s*[({]|\bconcept\s+\w+\s*=|\bconsteval\b|<=>|\bco_(await|yield|return)\b"
+                       r"|#include\s*<(span|concepts|ranges|bit|numbers)>")
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name.endswith((".h", ".cpp", ".cu", ".cuh")):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    for number, line in enumerate(f, 1):
+                        code = line.split("//")[0]
+                        if cxx20.search(code):
+                            found.append(f"{os.path.relpath(path, root)}:{number}: {line.strip()}")
+    assert not found, "C++20 in csrc (torch 2.11 builds C++17):\n" + "\n".join(found)

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -137,6 +138,14 @@ struct NoPerTensor {
   __device__ __forceinline__ float operator()(int) const { return 0.0f; }
 };
 
+// Whether Rule has hyper-parameters prepared on the device: `Rule::prepare(Hyper&)` (C++17's
+// detection idiom: torch 2.11 and older compile the sources as C++17, so no `requires`).
+template <typename Rule, typename Hyper, typename = void>
+struct HasPrepare : std::false_type {};
+template <typename Rule, typename Hyper>
+struct HasPrepare<Rule, Hyper, std::void_t<decltype(Rule::prepare(std::declval<Hyper&>()))>>
+    : std::true_type {};
+
 // The kernel functor of a single-sweep optimizer op: returns at once when the
 // noop flag is set, else reads inv_scale and the tensor's per-tensor value and
 // calls Rule::apply(r, hyper, value) on each element's fp32 values r[list].
@@ -153,7 +162,7 @@ struct SweepOp {
     }
     Hyper hh = h;
     hh.inv_scale = common.scale();
-    if constexpr (requires(Hyper& x) { Rule::prepare(x); }) {
+    if constexpr (HasPrepare<Rule, Hyper>::value) {
       Rule::prepare(hh);  // hyper-parameters that live on the device (AdamDeviceBcRule)
     }
     const float value = per_tensor(tensor_of(c));
