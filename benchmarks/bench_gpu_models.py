@@ -457,11 +457,14 @@ def section_name(device: str, size: str) -> str:
 
 
 def report(results: list[RowResult], grid: list[tuple[str, str]], device: str, size: str,
-           warmup: int, steps: int, load: LoadMonitor, notes: dict[str, str] | None = None) -> str:
+           warmup: int, steps: int, load: LoadMonitor, notes: dict[str, str] | None = None,
+           planned: int | None = None) -> str:
     """The markdown section: one table per workload, then the targets.
 
     Args:
         notes (dict, optional): target id to a note shown beside its rows (M1's explanation).
+        planned (int, optional): the rows the run set out to measure, when ``results`` holds
+            fewer (a run stopped by its time limit): the section says it is partial.
     """
     gpu = device == "cuda"
     host = torch.cuda.get_device_name() if gpu else _host_kind()
@@ -480,6 +483,9 @@ def report(results: list[RowResult], grid: list[tuple[str, str]], device: str, s
         "`AdamW(fused=True)`, O2 and O3 with amp_patch's `FusedAdam` (AdamW mode), autocast "
         "with `AdamW(fused=True)` and `GradScaler` in fp16.",
     ]
+    if planned is not None and len(results) < planned:
+        parts += ["", f"**Partial: {len(results)} of {planned} rows; the run stopped (its time "
+                      "limit) before the rest. A target whose rows are missing is not measured.**"]
     if not (gpu and size == "full"):
         parts += ["", f"**Size {size} on the {device}: a smoke run of the script, not a "
                       "measurement of what mixed precision gives a GPU-filling model.**"]
@@ -606,6 +612,13 @@ def main(argv: list[str] | None = None) -> int:
                if result.ok else f"FAILED: {result.error}")
         print(f"  [{i + 1}/{len(specs)}] {spec.workload} {spec.row} {spec.half_dtype}: {how} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        if not ns.no_write and i + 1 < len(specs):
+            # Device time is short: the rows measured so far are written after each row, so a
+            # run stopped by its time limit still leaves them, marked partial.
+            common.publish(section_name(ns.device, size),
+                           report(results, grid, ns.device, size, ns.warmup, ns.steps, load,
+                                  notes=M1_NOTES if size == "full" else None,
+                                  planned=len(specs)), write=True)
     body = report(results, grid, ns.device, size, ns.warmup, ns.steps, load.stop(),
                   notes=M1_NOTES if size == "full" else None)
     common.publish(section_name(ns.device, size), body, write=not ns.no_write)

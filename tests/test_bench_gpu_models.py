@@ -96,6 +96,21 @@ def test_targets_are_ratios_to_the_same_runs_anchors():
     assert bench._target_value("g1", results, "gpt2", "bf16") is None
 
 
+def test_a_stopped_run_leaves_its_rows_marked_partial():
+    """Rows are written as they come: a run stopped by its time limit says how many it has."""
+    def row(name, seconds):
+        return bench.RowResult(bench.RowSpec("gpt2", name, "bf16", "cpu", "tiny", 1, 1),
+                               step_seconds=seconds, peak_bytes=100, params=1, final_loss=1.0)
+
+    load = bench.LoadMonitor().start().stop()
+    grid = [("gpt2", "bf16")]
+    results = [row("O2", 0.25), row("autocast", 0.3)]
+    text = bench.report(results, grid, "cpu", "tiny", 1, 1, load, planned=5)
+    assert "Partial: 2 of 5 rows" in text
+    assert "| G1 | gpt2 | bf16 |" in text and "1.200" in text  # both its rows are there
+    assert "Partial" not in bench.report(results, grid, "cpu", "tiny", 1, 1, load, planned=2)
+
+
 @pytest.mark.slow
 def test_script_runs_every_row_in_its_own_process(tmp_path, monkeypatch):
     """The script at tiny size on the CPU: every row in a spawned process, one section written."""
