@@ -92,7 +92,7 @@ NOT_RUN: dict[str, str] = {
     "amp_patch.optim.amp.master_weights.clear_grads": _SCRIPT,
     "amp_patch.optim.fused._base.FusedOptimizer.load_state_dict": "reads a checkpoint file",
     "amp_patch.optim.fused._base.FusedOptimizer.fused_step_inputs": _SCRIPT,
-    "amp_patch.optim.fused._base.FusedStepInputs": _SCRIPT,
+    "amp_patch.optim.fused.batches.FusedStepInputs": _SCRIPT,
     "amp_patch.patching.cache.WeightCastCache": _LINEAR,
     "amp_patch.patching.cache.WeightCastCache.forget": _LINEAR,
     "amp_patch.frontend.debug.RankCheck": "needs an initialized process group",

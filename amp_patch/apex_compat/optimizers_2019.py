@@ -43,6 +43,7 @@ from amp_patch import scaler as _scaler
 from amp_patch.apex_compat import fp16_optimizer
 from amp_patch.optim import fused as optimizers
 from amp_patch.optim.fused import FusedStepInputs
+from amp_patch.optim.fused.steps import as_float, next_step
 
 __all__ = ["FusedAdam", "FusedAdam2019", "FP16_Optimizer"]
 
@@ -199,7 +200,7 @@ class FusedAdam2019(FusedAdam):
         for index, group in enumerate(self.param_groups):
             if not group["params"]:
                 continue
-            step = self._next_step(group)
+            step = next_step(group)
             eps, weight_decay = group["eps"], group["weight_decay"]
             if group["bias_correction"]:
                 # Apex folded the corrections into the step size and left eps and the decay
@@ -207,7 +208,7 @@ class FusedAdam2019(FusedAdam):
                 beta1, beta2 = group["betas"]
                 bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
                 eps, weight_decay = eps / math.sqrt(bc2), weight_decay * math.sqrt(bc2) / bc1
-            self._adam_group(group, step, lr=self._scalar(group["lr"]), eps=eps,
+            self._adam_group(group, step, lr=as_float(group["lr"]), eps=eps,
                              weight_decay=weight_decay,
                              bias_correction=bool(group["bias_correction"]),
                              inv_scale=self._clipped_inv_scale(index, group))

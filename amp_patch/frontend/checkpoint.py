@@ -339,7 +339,7 @@ def _take_saved_codes(optimizer, prefix: str, metadata: Mapping[str, Any],
                 continue
             dtype = saved.properties.dtype
             if value.dtype != dtype or (key + SCALE_SUFFIX in entry) != (dtype in SCALED_CODES):
-                opt._lean_state(p, key, dtype)  # converts in place of the entry
+                opt.state_in_code(p, key, dtype)  # converts in place of the entry
                 changed = True
     return changed
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from amp_patch import ops
-from amp_patch.helpers.tensors import local_tensors
 from amp_patch.optim.fused._base import FusedOptimizer
 
 __all__ = ["FusedAdagrad"]
@@ -52,11 +54,12 @@ class FusedAdagrad(FusedOptimizer):
 
     def _fused_step(self) -> None:
         for group in self.param_groups:
-            for b in self._batches(group):
-                # Elementwise: FSDP2's DTensors hand in their local shards, and that is all.
-                sums = [self._state_tensor(p, "sum") for p in b.keys]
+            for b in self._batches(group, state=("sum",)):
                 ops.multi_tensor_adagrad_(
-                    local_tensors(b.grads), local_tensors(b.params), local_tensors(sums),
-                    local_tensors(b.model_params), b.noop, b.inv_scale, lr=group["lr"],
-                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    b.grads, b.params, b.state[0].codes, b.model_params, b.noop, b.inv_scale,
+                    lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
                     adagrad_w_mode=bool(self.adagrad_w_mode))
+
+    def _state_codes(self, key: Tensor, stepped: Tensor,
+                     low_precision: bool) -> tuple[torch.dtype | None, ...]:
+        return (None,)  # as stored: the state never changes code

@@ -7,8 +7,9 @@ from typing import Any, Callable
 import torch
 
 from amp_patch import ops
-from amp_patch.helpers.tensors import local_tensors
-from amp_patch.optim.fused._base import FusedOptimizer, _on, lean_scales
+from amp_patch.optim.fused._base import FusedOptimizer
+from amp_patch.optim.fused.batches import to_device
+from amp_patch.optim.fused.steps import as_float, device_step, next_step
 
 __all__ = ["FusedAdam"]
 
@@ -135,27 +136,28 @@ class FusedAdam(FusedOptimizer):
     def READS_FOUND_INF(self) -> bool:  # type: ignore[override]  # noqa: N802 (the base's name)
         """False for the fp32-state step: it keeps its step counters on the device and takes
         its bias corrections from there, so a skip decided on the device is never read.
-        The lean ops (low-precision state, stochastic rounding) and ``capturable`` (whose
+        The low-precision state ops (or stochastic rounding) and ``capturable`` (whose
         ``lr`` is read) still read the flag on the host."""
-        return self.capturable or self.state_format.is_lean or self.stochastic_rounding
+        return self.capturable or self.state_format.low_precision or self.stochastic_rounding
 
     def _fused_step(self) -> None:
         on_device = self._skips_on_device()
         for group in self.param_groups:
             if not group["params"]:
                 continue
-            hyper = dict(lr=self._scalar(group["lr"]), eps=group["eps"],
+            hyper = dict(lr=as_float(group["lr"]), eps=group["eps"],
                          weight_decay=group["weight_decay"],
                          bias_correction=bool(group["bias_correction"]))
             if on_device:
+                assert self._inputs is not None and self._inputs.found_inf is not None
                 beta1, beta2 = group["betas"]
-                step = self._device_step(group)
+                step = device_step(group, self._inputs.found_inf)
                 corrections = ops.adam_bias_corrections(beta1, beta2, step,
                                                         hyper["bias_correction"],
                                                         self._betas_on(beta1, beta2, step.device))
                 self._adam_group(group, 0, **hyper, bias_corrections=corrections)
             else:
-                self._adam_group(group, self._next_step(group), **hyper)
+                self._adam_group(group, next_step(group), **hyper)
 
     def _betas_on(self, beta1: float, beta2: float, device: torch.device) -> torch.Tensor:
         """The fp32 betas on ``device``, made once per value: a copy from the host at every
@@ -164,6 +166,10 @@ class FusedAdam(FusedOptimizer):
         if key not in self._device_betas:
             self._device_betas[key] = ops.fp32_betas(beta1, beta2, device)
         return self._device_betas[key]
+
+    def _state_codes(self, key: torch.Tensor, stepped: torch.Tensor,
+                     low_precision: bool) -> tuple[torch.dtype | None, ...]:
+        return self.state_format.codes(key)  # fp32 moments whatever the param dtype
 
     def _adam_group(self, group: dict[str, Any], step: int, *, lr: float, eps: float,
                     weight_decay: float, bias_correction: bool,
@@ -176,28 +182,21 @@ class FusedAdam(FusedOptimizer):
         replace those of ``step`` (the fp32-state op only).
         """
         beta1, beta2 = group["betas"]
-        fmt = self.state_format
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     step=step, adam_w_mode=bool(self.adam_w_mode),
+                     bias_correction=bias_correction)
         # One call per pair of codes: the op takes one scales list per moment.
-        for b in self._batches(group, split=fmt.codes):
-            inv = b.inv_scale if inv_scale is None else _on(inv_scale, b.device)
-            first, second = fmt.codes(b.keys[0])
-            m = [self._lean_state(p, "exp_avg", first) for p in b.keys]
-            v = [self._lean_state(p, "exp_avg_sq", second) for p in b.keys]
-            hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                         step=step, adam_w_mode=bool(self.adam_w_mode),
-                         bias_correction=bias_correction)
-            # The ops take plain tensors: FSDP2's DTensors hand in their local shards.
-            grads, params = local_tensors(b.grads), local_tensors(b.params)
-            m_codes, v_codes = local_tensors([c for c, _ in m]), local_tensors([c for c, _ in v])
-            if not self._lean_step(b):
-                ops.multi_tensor_adam_(grads, params, m_codes, v_codes,
-                                       local_tensors(b.model_params), b.noop, inv, **hyper,
-                                       bias_corrections=_on(bias_corrections, b.device))
-                continue
-            ops.multi_tensor_adam_lean_(
-                grads, params, m_codes, local_tensors(lean_scales(m)), v_codes,
-                local_tensors(lean_scales(v)), local_tensors(b.model_params), b.noop, inv, **hyper,
-                block_size=fmt.block_size, seed=self.rounding_seed)
+        for b in self._batches(group, self.state_format.codes, ("exp_avg", "exp_avg_sq")):
+            inv = b.inv_scale if inv_scale is None else to_device(inv_scale, b.device)
+            m, v = b.state
+            if b.low_precision:
+                ops.multi_tensor_adam_lean_(
+                    b.grads, b.params, m.codes, m.scales, v.codes, v.scales, b.model_params,
+                    b.noop, inv, **hyper, block_size=b.block_size, seed=self.rounding_seed)
+            else:
+                ops.multi_tensor_adam_(b.grads, b.params, m.codes, v.codes, b.model_params,
+                                       b.noop, inv, **hyper,
+                                       bias_corrections=to_device(bias_corrections, b.device))
 
 
 def _tensors_to_device(group: dict[str, Any]) -> None:

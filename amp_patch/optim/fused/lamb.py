@@ -29,9 +29,11 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.helpers.tensors import local_tensors
 from amp_patch.ops.optim_reference import lamb_uses_ratio
-from amp_patch.optim.fused._base import FusedOptimizer, _Batch, lean_scales, whole_tensor_norms
+from amp_patch.optim.fused._base import FusedOptimizer
+from amp_patch.optim.fused.batches import Batch
+from amp_patch.optim.fused.norms import whole_tensor_norms
+from amp_patch.optim.fused.steps import as_float, next_step
 
 __all__ = ["FusedLAMB", "FusedMixedPrecisionLamb"]
 
@@ -43,16 +45,16 @@ class _LambBase(FusedOptimizer):
     use_nvlamb: bool
 
     def _fused_step(self) -> None:
-        fmt = self.state_format
-        # One call per pair of codes: the lean ops take one scales list per moment.
-        batches = [self._batches(group, split=fmt.codes) for group in self.param_groups]
+        # One call per pair of codes: the low-precision ops take one scales list per moment.
+        batches = [self._batches(group, self.state_format.codes, ("exp_avg", "exp_avg_sq"))
+                   for group in self.param_groups]
         norms = self._grad_norms()
-        max_grad_norm = self._scalar(self.defaults["max_grad_norm"] or 0.0)
+        max_grad_norm = as_float(self.defaults["max_grad_norm"] or 0.0)
         for group, group_batches in zip(self.param_groups, batches):
             if not group["params"]:
                 continue
-            step = self._next_step(group)
-            lr = self._scalar(group["lr"])  # a host read when it is a tensor: once per group
+            step = next_step(group)
+            lr = as_float(group["lr"])  # a host read when it is a tensor: once per group
             beta1, beta2 = group["betas"]
             hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"], step=step,
@@ -61,54 +63,43 @@ class _LambBase(FusedOptimizer):
             stage1 = dict(max_grad_norm=max_grad_norm,
                           grad_averaging=bool(group["grad_averaging"]), **hyper)
             for b in group_batches:
-                if self._lean_step(b):
-                    self._lean_batch(b, norms[b.device], lr, stage1)
+                if b.low_precision:
+                    self._low_precision_batch(b, norms[b.device], lr, stage1)
                     continue
-                # The param's dtype, converted back if a lean format stored it otherwise.
-                m = [self._lean_state(p, "exp_avg", s.dtype)[0] for p, s in zip(b.keys, b.params)]
-                v = [self._lean_state(p, "exp_avg_sq", s.dtype)[0]
-                     for p, s in zip(b.keys, b.params)]
-                # The ops take plain tensors: FSDP2's DTensors hand in their local shards, and
-                # the trust ratio's norms are then summed over the shards.
-                params, m, v = local_tensors(b.params), local_tensors(m), local_tensors(v)
+                m, v = b.state[0].codes, b.state[1].codes
+                # The trust ratio's norms of FSDP2's shards are summed over the shards.
                 local_norms = ops.multi_tensor_lamb_stage1_(
-                    local_tensors(b.grads), params, m, v, b.noop, b.inv_scale, norms[b.device],
-                    **stage1)
-                param_norms, update_norms = whole_tensor_norms(b.params, *local_norms)
-                ops.multi_tensor_lamb_stage2_(
-                    params, m, v, param_norms, update_norms, local_tensors(b.model_params),
-                    b.noop, lr=lr, **hyper)
+                    b.grads, b.params, m, v, b.noop, b.inv_scale, norms[b.device], **stage1)
+                param_norms, update_norms = whole_tensor_norms(b.stepped, *local_norms)
+                ops.multi_tensor_lamb_stage2_(b.params, m, v, param_norms, update_norms,
+                                              b.model_params, b.noop, lr=lr, **hyper)
 
     @staticmethod
     def _trust_ratio(hyper: dict[str, Any]) -> bool:
         """Whether a group's steps scale by the trust ratio, and so need stage 1's norms."""
         return lamb_uses_ratio(hyper["weight_decay"], hyper["use_nvlamb"])
 
-    def _lean_batch(self, b: _Batch, norm: Tensor, lr: float, stage1: dict[str, Any]) -> None:
-        """LAMB over low-precision state (or bf16 params): the two lean stages. Stage 1 reads
-        the moments' codes for the norms and writes nothing; stage 2 computes the same new
-        moments again, steps, encodes them and writes the params (a bf16 master rounded
-        stochastically) and the model copies. No fp32 copy of the state outlives a call."""
-        fmt = self.state_format
-        first, second = fmt.codes(b.keys[0])
-        m = [self._lean_state(key, "exp_avg", first) for key in b.keys]
-        v = [self._lean_state(key, "exp_avg_sq", second) for key in b.keys]
-        lists = (local_tensors(b.grads), local_tensors(b.params),
-                 local_tensors([c for c, _ in m]), local_tensors(lean_scales(m)),
-                 local_tensors([c for c, _ in v]), local_tensors(lean_scales(v)))
+    def _low_precision_batch(self, b: Batch, norm: Tensor, lr: float,
+                             stage1: dict[str, Any]) -> None:
+        """LAMB over low-precision state (or bf16 params): the two stages of the low-precision
+        ops. Stage 1 reads the moments' codes for the norms and writes nothing; stage 2 computes
+        the same new moments again, steps, encodes them and writes the params (a bf16 master
+        rounded stochastically) and the model copies. No fp32 copy of the state outlives a
+        call."""
+        (m, m_scales), (v, v_scales) = b.state
+        lists = (b.grads, b.params, m, m_scales, v, v_scales)
         if self._trust_ratio(stage1):
             local_norms = ops.multi_tensor_lamb_lean_stage1_(
-                *lists, b.noop, b.inv_scale, norm, **stage1, block_size=fmt.block_size)
-            param_norms, update_norms = whole_tensor_norms(b.params, *local_norms)
+                *lists, b.noop, b.inv_scale, norm, **stage1, block_size=b.block_size)
+            param_norms, update_norms = whole_tensor_norms(b.stepped, *local_norms)
         else:
             # No trust ratio (no weight decay, no NVLAMB): stage 2 steps by lr alone and stage 1,
             # which writes nothing, would only compute norms that go unused. The same on every
             # rank, since it follows from the group's settings.
             param_norms = update_norms = torch.zeros(len(b.params), device=b.device)
         ops.multi_tensor_lamb_lean_stage2_(
-            *lists, param_norms, update_norms, local_tensors(b.model_params), b.noop,
-            b.inv_scale, norm, **stage1, lr=lr, block_size=fmt.block_size,
-            seed=self.rounding_seed)
+            *lists, param_norms, update_norms, b.model_params, b.noop, b.inv_scale, norm,
+            **stage1, lr=lr, block_size=b.block_size, seed=self.rounding_seed)
 
 
 class FusedLAMB(_LambBase):
@@ -169,9 +160,9 @@ class FusedLAMB(_LambBase):
     """
 
     LEAN_STATE = True
-    # Under a lean format the moments' dtype is the format's, not the param's (fp32 moments of
-    # bf16 params rounded stochastically): load_state_dict keeps them as saved, and the next
-    # step converts them if the format asks for another (FusedOptimizer._lean_state).
+    # Under a low-precision format the moments' dtype is the format's, not the param's (fp32
+    # moments of bf16 params rounded stochastically): load_state_dict keeps them as saved, and
+    # the next step converts them if the format asks for another (FusedOptimizer.state_in_code).
     _KEEP_SAVED_DTYPE = ("master_param", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,

@@ -8,8 +8,10 @@ import torch
 from torch import Tensor
 
 from amp_patch import ops
-from amp_patch.helpers.tensors import local_tensors
-from amp_patch.optim.fused._base import FusedOptimizer, _Batch, whole_tensor_norms
+from amp_patch.optim.fused._base import FusedOptimizer
+from amp_patch.optim.fused.batches import Batch
+from amp_patch.optim.fused.norms import whole_tensor_norms
+from amp_patch.optim.fused.steps import next_step
 
 __all__ = ["FusedNovoGrad"]
 
@@ -88,29 +90,31 @@ class FusedNovoGrad(FusedOptimizer):
                                    f"(norm_type=0) norms, got norm_type={group['norm_type']}")
             if not group["params"]:
                 continue
-            step = self._next_step(group)
+            step = next_step(group)
             beta1, beta2 = group["betas"]
-            for b in self._batches(group):
-                # The ops take plain tensors: FSDP2's DTensors hand in their local shards (and
-                # _blend_norms takes the whole tensors' norms).
-                m = [self._state_tensor(p, "exp_avg") for p in b.keys]
+            for b in self._batches(group, state=("exp_avg",)):
                 ops.multi_tensor_novograd_(
-                    local_tensors(b.grads), local_tensors(b.params), local_tensors(m),
-                    self._blend_norms(group, b), local_tensors(b.model_params), b.noop, b.inv_scale,
-                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=step,
+                    b.grads, b.params, b.state[0].codes, self._blend_norms(group, b),
+                    b.model_params, b.noop, b.inv_scale, lr=group["lr"], beta1=beta1, beta2=beta2,
+                    eps=group["eps"], weight_decay=group["weight_decay"], step=step,
                     bias_correction=bool(group["bias_correction"]),
                     grad_averaging=bool(group["grad_averaging"]),
                     reg_inside_moment=self.moment_mode == 0)
 
-    def _blend_norms(self, group: dict[str, Any], b: _Batch) -> Tensor:
-        """Blend this step's grad norms into the batch's second moments; return them stacked."""
-        grads = local_tensors(b.grads)
+    def _state_codes(self, key: Tensor, stepped: Tensor,
+                     low_precision: bool) -> tuple[torch.dtype | None, ...]:
+        return (None,)  # as stored: the state never changes code
+
+    def _blend_norms(self, group: dict[str, Any], b: Batch) -> Tensor:
+        """Blend this step's grad norms into the batch's second moments; return them stacked.
+
+        The norms are those of the whole grads (of FSDP2's DTensors too)."""
         if group["norm_type"] == 2:
-            local = ops.multi_tensor_l2norm(grads, per_tensor=True)[1]
+            local = ops.multi_tensor_l2norm(b.grads, per_tensor=True)[1]
         else:
-            local = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))])
-        (norms,) = whole_tensor_norms(b.grads, local, op="l2" if group["norm_type"] == 2 else "max")
+            local = torch.stack([n.float() for n in torch._foreach_norm(b.grads, float("inf"))])
+        (norms,) = whole_tensor_norms(b.stepped_grads, local,
+                                      op="l2" if group["norm_type"] == 2 else "max")
         if b.inv_scale is not None:
             norms = norms * b.inv_scale.reshape(())
         beta2 = group["betas"][1]

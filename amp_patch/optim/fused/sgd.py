@@ -9,8 +9,9 @@ from torch import Tensor
 from torch.optim.optimizer import required
 
 from amp_patch import ops
-from amp_patch.helpers.tensors import local_tensors
-from amp_patch.optim.fused._base import FusedOptimizer, lean_scales
+from amp_patch.optim.fused._base import FusedOptimizer
+from amp_patch.optim.fused.batches import StateLists
+from amp_patch.optim.fused.steps import next_step
 
 __all__ = ["FusedSGD"]
 
@@ -65,7 +66,7 @@ class FusedSGD(FusedOptimizer):
     LEAN_STATE = True
     # A buffer's dtype is the format's, which need not be the param's (fp32 buffers of bf16
     # params stepped with stochastic rounding): load_state_dict keeps it as saved, and the
-    # next step converts it if the format asks for another (FusedOptimizer._lean_state).
+    # next step converts it if the format asks for another (FusedOptimizer.state_in_code).
     _KEEP_SAVED_DTYPE = ("master_param", "momentum_buffer")
 
     # lr is a float, or torch's ``required`` marker when it is not given.
@@ -118,11 +119,11 @@ class FusedSGD(FusedOptimizer):
     @property
     def READS_FOUND_INF(self) -> bool:  # type: ignore[override]  # noqa: N802 (the base's name)
         """False for the fp32-state step, which has no step counter: the kernel's ``noop``
-        skips it on the device unread. The lean ops (their rounding bits count steps) read
-        it, and so does a group with dampening whose momentum buffers are not all made yet:
-        a skipped first step would leave a new buffer at zero, and the next step would
-        weigh the grad by ``1 - dampening`` where ``first_run`` takes it whole."""
-        if self.state_format.is_lean or self.stochastic_rounding:
+        skips it on the device unread. The low-precision state ops (their rounding bits count
+        steps) read it, and so does a group with dampening whose momentum buffers are not all
+        made yet: a skipped first step would leave a new buffer at zero, and the next step
+        would weigh the grad by ``1 - dampening`` where ``first_run`` takes it whole."""
+        if self.state_format.low_precision or self.stochastic_rounding:
             return True
         return any(group["momentum"] != 0 and group["dampening"] != 0 and any(
             "momentum_buffer" not in self.state.get(p, {}) for p in group["params"])
@@ -139,30 +140,27 @@ class FusedSGD(FusedOptimizer):
         fresh = (lambda p: "momentum_buffer" not in self.state[p]) if momentum != 0 else None
         fmt = self.state_format
         step = None
-        for b in self._batches(group, split=lambda p: (fresh and fresh(p), fmt.codes(p))):
-            first_run = fresh is not None and fresh(b.keys[0])
-            lean = self._lean_step(b)
-            code = fmt.codes(b.keys[0])[0] if lean else None
-            # Without a low-precision format a buffer has the dtype of the tensor stepped.
-            buffers = ([self._lean_state(p, "momentum_buffer", code or s.dtype)
-                        for p, s in zip(b.keys, b.params)] if momentum != 0 else [])
+        for b in self._batches(group, lambda p: (fresh and fresh(p), fmt.codes(p)),
+                               ("momentum_buffer",) if momentum != 0 else ()):
+            buf = b.state[0] if b.state else StateLists([], [])
             hyper = dict(lr=group["lr"], weight_decay=group["weight_decay"], momentum=momentum,
                          dampening=group["dampening"], nesterov=group["nesterov"],
-                         first_run=first_run, wd_after_momentum=self.wd_after_momentum)
+                         first_run=bool(b.split[0]), wd_after_momentum=self.wd_after_momentum)
             inv = self._inv_scale(b.inv_scale, b)
-            # The ops take plain tensors: FSDP2's DTensors hand in their local shards.
-            grads, params = local_tensors(b.grads), local_tensors(b.params)
-            codes = local_tensors([c for c, _ in buffers])
-            if not lean:
-                ops.multi_tensor_sgd_(grads, params, codes, local_tensors(b.model_params),
-                                      b.noop, inv, **hyper)
+            if not b.low_precision:
+                ops.multi_tensor_sgd_(b.grads, b.params, buf.codes, b.model_params, b.noop, inv,
+                                      **hyper)
                 continue
-            if step is None:  # the rounding bits' step count, kept only by lean steps
-                step = self._next_step(group)
+            if step is None:  # the rounding bits' step count, kept only by these steps
+                step = next_step(group)
             ops.multi_tensor_sgd_lean_(
-                grads, params, codes, local_tensors(lean_scales(buffers)),
-                local_tensors(b.model_params), b.noop, inv, **hyper,
-                step=step, block_size=fmt.block_size, seed=self.rounding_seed)
+                b.grads, b.params, buf.codes, buf.scales, b.model_params, b.noop, inv, **hyper,
+                step=step, block_size=b.block_size, seed=self.rounding_seed)
+
+    def _state_codes(self, key: Tensor, stepped: Tensor,
+                     low_precision: bool) -> tuple[torch.dtype | None, ...]:
+        # Without a low-precision format a buffer has the dtype of the tensor stepped.
+        return (self.state_format.codes(key)[0] if low_precision else stepped.dtype,)
 
     def _inv_scale(self, inv_scale: Tensor | None, batch: Any) -> Tensor | None:
         if self.most_recent_scale == 1.0:

@@ -1,9 +1,11 @@
-"""How a fused optimizer stores its per-parameter state: fp32, bf16, block-scaled int8 or fp8.
+"""How a fused optimizer stores its per-parameter state (``optimizer_state``): fp32, bf16,
+block-scaled int8 or fp8.
 
 A :class:`StateFormat` names the code of each kind of state tensor (the first
-moment or momentum, and the second moment) and which parameters get it. The
-codes themselves, and the arithmetic of the steps over them, are
-:mod:`amp_patch.ops.lean_state_ops`'.
+moment or momentum, and the second moment) and which parameters get it. A
+:class:`QuantizedState` is one state tensor as stored: its codes and their
+scales, together, with the one encode and decode. The arithmetic of the codes
+and of the steps over them is :mod:`amp_patch.ops.lean_state_ops`'.
 
 =========  ==========================  ==========================  =================
 name       first moment / momentum     second moment               bytes per param
@@ -38,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,10 +48,110 @@ from torch import Tensor
 from amp_patch.ops.lean_state_ops import BLOCK_SIZE, SCALED_CODES, decode, encode, scale_shape
 from amp_patch.settings.dtypes import OPTIMIZER_STATE_NAMES
 
-__all__ = ["StateFormat", "STATE_FORMATS", "FORMAT_NAMES", "get", "SCALE_SUFFIX", "SCALED_CODES"]
+__all__ = ["QuantizedState", "StateFormat", "STATE_FORMATS", "FORMAT_NAMES", "get", "SCALE_SUFFIX",
+           "SCALED_CODES"]
 
 #: A block-scaled ``state[p][key]`` keeps its scales in ``state[p][key + SCALE_SUFFIX]``.
 SCALE_SUFFIX = "_scale"
+
+
+class QuantizedState(NamedTuple):
+    """One state tensor as stored: its codes and, for block-scaled codes, their scales.
+
+    A value that knows its own format (as torchao's ``OptimState8bit`` does, without
+    a tensor subclass): :meth:`decode` needs nothing else. The scales of block-scaled
+    codes (:data:`SCALED_CODES`) are fp32, one per ``block_size`` elements of a row;
+    other codes have none. In an optimizer's ``state[p]`` the codes are stored under
+    their key and the scales under ``key + SCALE_SUFFIX`` (:meth:`load`, :meth:`store`),
+    so a checkpoint holds two plain tensors.
+
+    Args:
+        codes (Tensor): the state in its code (float32, bfloat16, int8, uint8, float8_e4m3fn).
+        scales (Tensor, optional): fp32 scales of shape ``scale_shape(codes)``; None for
+            codes that are values themselves.
+        block_size (int, optional): elements per scale. Default: 256.
+
+    Example::
+
+        >>> q = QuantizedState.encode(torch.tensor([0.5, -1.0, 0.25]), torch.int8)
+        >>> q.codes, q.scales
+        (tensor([  64, -127,   32], dtype=torch.int8), tensor([[1.]]))
+        >>> q.decode()
+        tensor([ 0.5039, -1.0000,  0.2520])
+        >>> q.in_code(torch.bfloat16).scales is None
+        True
+    """
+
+    codes: Tensor
+    scales: Tensor | None = None
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The code."""
+        return self.codes.dtype
+
+    @classmethod
+    def encode(cls, values: Tensor, dtype: torch.dtype,
+               block_size: int = BLOCK_SIZE) -> QuantizedState:
+        """``values`` (fp32) stored in code ``dtype``."""
+        return cls(*encode(values, dtype, block_size), block_size)
+
+    @classmethod
+    def zeros(cls, like: Tensor, dtype: torch.dtype,
+              block_size: int = BLOCK_SIZE) -> QuantizedState:
+        """Zero state of code ``dtype`` shaped like ``like``, and zero scales if scaled.
+
+        Codes that are values keep ``like``'s layout, as torch's optimizers keep
+        their state. A DTensor ``like`` (FSDP2's sharded params) gives DTensors
+        sharded alike, the scales along dim 0 with their rows, so that
+        distributed checkpoints save each rank's shard.
+        """
+        if dtype not in SCALED_CODES:
+            return cls(torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format),
+                       None, block_size)
+        codes = torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+        local = _local(like)
+        scales = torch.zeros(scale_shape(local, block_size), dtype=torch.float32,
+                             device=local.device)
+        return cls(codes, _like_sharding(scales, like, block_size), block_size)
+
+    @classmethod
+    def load(cls, entry: Mapping[str, Any], key: str,
+             block_size: int = BLOCK_SIZE) -> QuantizedState | None:
+        """The state stored under ``key`` of an optimizer's ``state[p]``, or None."""
+        codes = entry.get(key)
+        return None if codes is None else cls(codes, entry.get(key + SCALE_SUFFIX), block_size)
+
+    def store(self, entry: dict[str, Any], key: str) -> None:
+        """Store under ``key`` of ``state[p]``: the codes, and the scales beside them (a stale
+        scales entry is dropped)."""
+        entry[key] = self.codes
+        if self.scales is None:
+            entry.pop(key + SCALE_SUFFIX, None)
+        else:
+            entry[key + SCALE_SUFFIX] = self.scales
+
+    def decode(self) -> Tensor:
+        """The fp32 values (of the local shard, for a DTensor)."""
+        return decode(_local(self.codes), None if self.scales is None else _local(self.scales),
+                      self.block_size)
+
+    def in_code(self, dtype: torch.dtype) -> QuantizedState:
+        """This state in code ``dtype``: itself when it is stored so, else decoded and encoded.
+
+        Used when the format changed since the state was made (an optimizer
+        stepped before :func:`amp_patch.initialize`, a checkpoint saved under
+        another format, :func:`amp_patch.deinitialize`).
+        """
+        if self.dtype == dtype and (self.scales is None) == (dtype not in SCALED_CODES):
+            return self
+        codes, scales = encode(self.decode(), dtype, self.block_size)
+        like = self.codes
+        return QuantizedState(
+            _like_sharding(codes, like, None),
+            None if scales is None else _like_sharding(scales, like, self.block_size),
+            self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +174,8 @@ class StateFormat:
     min_numel: int = 4096
 
     @property
-    def is_lean(self) -> bool:
-        """True for every format but ``fp32``."""
+    def low_precision(self) -> bool:
+        """True for every format but ``fp32``: the steps take the low-precision state ops."""
         return self.first != torch.float32 or self.second != torch.float32
 
     def codes(self, p: Tensor) -> tuple[torch.dtype, torch.dtype]:
@@ -81,35 +184,6 @@ class StateFormat:
         if scaled and (p.dim() < 2 or p.numel() < self.min_numel):
             return torch.float32, torch.float32
         return self.first, self.second
-
-    def zeros(self, like: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-        """New state of code ``dtype`` shaped like ``like``: zeros, and zero scales if scaled.
-
-        A DTensor ``like`` (FSDP2's sharded params) gives DTensors sharded alike,
-        the scales along dim 0 with their rows, so that distributed checkpoints
-        save each rank's shard.
-        """
-        if dtype not in SCALED_CODES:  # the param's layout, as torch's optimizers keep it
-            return torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format), None
-        codes = torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
-        local = _local(like)
-        scales = torch.zeros(scale_shape(local, self.block_size), dtype=torch.float32,
-                             device=local.device)
-        return codes, _like_sharding(scales, like, self.block_size)
-
-    def convert(self, codes: Tensor, scales: Tensor | None, dtype: torch.dtype,
-                ) -> tuple[Tensor, Tensor | None]:
-        """State stored as ``codes`` (and ``scales``) in code ``dtype``: decoded, then encoded.
-
-        Used when the format changed since the state was made (an optimizer
-        stepped before :func:`amp_patch.initialize`, a checkpoint saved under
-        another format, :func:`amp_patch.deinitialize`).
-        """
-        local_codes = _local(codes)
-        values = decode(local_codes, None if scales is None else _local(scales), self.block_size)
-        new_codes, new_scales = encode(values, dtype, self.block_size)
-        return (_like_sharding(new_codes, codes, None),
-                None if new_scales is None else _like_sharding(new_scales, codes, self.block_size))
 
 
 STATE_FORMATS: dict[str, StateFormat] = {

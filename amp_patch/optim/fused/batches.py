@@ -1,0 +1,179 @@
+"""The arguments of the fused ops, built from a param group: what a fused step reads and writes.
+
+A fused optimizer's step groups the params of a param group that have a grad
+into :class:`Batch` es (one per device, apart for params whose updated value is
+also written into a model copy, and apart by what the optimizer's ``split``
+says), and makes one op call per batch. A batch holds the op's arguments ready
+to pass: the lists of grads, params and model copies (FSDP2's DTensors as their
+local shards), each state tensor's codes and scales, and the step's flags.
+
+Where a step reads its grads and what it writes besides the params can be
+redirected with :class:`FusedStepInputs`. That is the one seam between the
+fused optimizers and amp's O2 (:mod:`amp_patch.optim.amp` hands the inputs to
+any optimizer that has ``fused_step_inputs``): every step writes the half model
+params in the same pass as the fp32 masters, and the one-pass step also reads
+the half model grads, still scaled, times the inverse loss scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from amp_patch.helpers.tensors import local_tensors
+from amp_patch.optim.fused.state_format import QuantizedState, StateFormat
+
+__all__ = ["FusedStepInputs", "Batch", "StateLists", "build_batches", "to_device"]
+
+
+@dataclasses.dataclass
+class FusedStepInputs:
+    """Where a fused ``step()`` reads its grads and writes half copies, and its device flags.
+
+    Installed for one step with :meth:`FusedOptimizer.fused_step_inputs`. The
+    mappings are keyed by the tensors in ``param_groups`` (under amp's O2, the
+    fp32 masters).
+
+    Args:
+        grads (Mapping, optional): param -> the gradient to read instead of
+            ``param.grad`` (a half model grad, still multiplied by the loss
+            scale). A param found here is stepped even when its ``.grad`` is None.
+        model_params (Mapping, optional): param -> a tensor of the same shape
+            (the half model param) that receives the updated value, rounded, in
+            the same pass. A param found here is amp's master: it is stepped as
+            it is, and the optimizer makes no master of its own for it.
+        inv_scale (Tensor, optional): one-element fp32 tensor; grads are read
+            multiplied by it.
+        found_inf (Tensor, optional): one-element fp32 flag; when non-zero the
+            step changes nothing at all (params, state, model copies).
+        grad_norms (Mapping, optional): device -> the L2 norm (0-dim fp32) of
+            all the grads this step reads on that device, as stored (before
+            ``inv_scale``), summed in ``param_groups`` order. An optimizer that
+            needs the global grad norm (LAMB's clipping) uses it instead of
+            reading the grads once more.
+
+    Example::
+
+        >>> inputs = FusedStepInputs(grads={master: p.grad}, model_params={master: p},
+        ...                          inv_scale=scaler_inv_scale, found_inf=scaler_found_inf)
+        >>> with optimizer.fused_step_inputs(inputs):
+        ...     optimizer.step()
+    """
+
+    grads: Mapping[Tensor, Tensor] | None = None
+    model_params: Mapping[Tensor, Tensor] | None = None
+    inv_scale: Tensor | None = None
+    found_inf: Tensor | None = None
+    grad_norms: Mapping[torch.device, Tensor] | None = None
+
+
+class StateLists(NamedTuple):
+    """One kind of state (``exp_avg``, say) of a batch, as an op takes it: the codes, one per
+    tensor, and the scales of the block-scaled ones (empty when none is)."""
+
+    codes: list[Tensor]
+    scales: list[Tensor]
+
+
+@dataclasses.dataclass
+class Batch:
+    """The arguments of one fused op call, in the group's order.
+
+    ``grads``, ``params`` and ``model_params`` are the lists the op takes (local
+    shards of DTensors); ``stepped`` and ``stepped_grads`` are the same tensors as
+    they are, for the norms of whole sharded tensors
+    (:func:`~amp_patch.optim.fused.norms.whole_tensor_norms`). ``keys`` are the
+    params as keyed in the optimizer's ``state``; ``state`` has one
+    :class:`StateLists` per state key asked for. ``low_precision`` says whether
+    the call takes the low-precision state ops (a low-precision format, or bf16
+    params to round stochastically); ``split`` is the value that the
+    optimizer's split gave the batch's params.
+    """
+
+    device: torch.device
+    keys: list[Tensor]
+    stepped: list[Tensor]
+    stepped_grads: list[Tensor]
+    grads: list[Tensor]
+    params: list[Tensor]
+    model_params: list[Tensor]
+    noop: Tensor | None
+    inv_scale: Tensor | None
+    state: tuple[StateLists, ...]
+    low_precision: bool
+    split: Any
+    block_size: int
+
+
+class _Source(Protocol):
+    """What :func:`build_batches` asks of the optimizer (:class:`FusedOptimizer`)."""
+
+    state_format: StateFormat
+    stochastic_rounding: bool
+    _inputs: FusedStepInputs | None
+
+    def _grad_of(self, p: Tensor) -> Tensor | None: ...
+    def _target(self, p: Tensor) -> tuple[Tensor, Tensor | None]: ...
+    def _state_codes(self, key: Tensor, stepped: Tensor,
+                     low_precision: bool) -> tuple[torch.dtype | None, ...]: ...
+    def state_in_code(self, p: Tensor, key: str, dtype: torch.dtype | None,
+                      like: Tensor | None = None) -> QuantizedState: ...
+
+
+def build_batches(opt: _Source, group: dict[str, Any], split: Callable[[Tensor], Any] | None,
+                  state: tuple[str, ...]) -> list[Batch]:
+    """The params of ``group`` that have a grad, as op calls (see the module's text).
+
+    ``split(param)`` separates batches further (SGD's new momentum buffers, the
+    codes of a low-precision format). The state under each key of ``state`` is
+    made (zeros) or converted to the code the optimizer asks
+    (``_state_codes``) as it is gathered.
+    """
+    rows: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor, Tensor | None]]] = {}
+    for p in group["params"]:
+        grad = opt._grad_of(p)
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients")
+        target, out = opt._target(p)
+        key = (p.device, out is not None, split(p) if split is not None else None)
+        rows.setdefault(key, []).append((p, target, grad, out))
+    inputs = opt._inputs
+    fmt = opt.state_format
+    batches = []
+    for (device, _, split_value), members in rows.items():
+        keys = [p for p, _, _, _ in members]
+        stepped = [s for _, s, _, _ in members]
+        grads = [g for _, _, g, _ in members]
+        outs = [o for _, _, _, o in members if o is not None]
+        low = fmt.low_precision or (
+            opt.stochastic_rounding and any(s.dtype == torch.bfloat16 for s in stepped))
+        codes = [opt._state_codes(p, s, low) for p, s in zip(keys, stepped)]
+        lists = []
+        for i, name in enumerate(state):
+            kept = [opt.state_in_code(p, name, c[i], like=s)
+                    for p, s, c in zip(keys, stepped, codes)]
+            lists.append(StateLists(local_tensors([q.codes for q in kept]),
+                                    local_tensors([q.scales for q in kept
+                                                   if q.scales is not None])))
+        batches.append(Batch(
+            device=device, keys=keys, stepped=stepped, stepped_grads=grads,
+            # The ops take plain tensors: FSDP2's DTensors hand in their local shards.
+            grads=local_tensors(grads), params=local_tensors(stepped),
+            model_params=local_tensors(outs),
+            noop=to_device(inputs.found_inf if inputs is not None else None, device),
+            inv_scale=to_device(inputs.inv_scale if inputs is not None else None, device),
+            state=tuple(lists), low_precision=low, split=split_value,
+            block_size=fmt.block_size))
+    return batches
+
+
+def to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
+    """``t`` on ``device`` (no copy when it is there already; None stays None)."""
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=True)
