@@ -23,8 +23,15 @@ Every module it serves is a package with an empty ``__path__``. That makes
 names the unsupported attribute rather than Python's generic
 "cannot import name".
 
-A real ``apex`` (or ``amp_C``) found on ``sys.path`` is left alone unless the
-hook is installed with ``shadow_apex=True``.
+It also answers Transformer Engine's PyTorch spelling of FP8 training:
+``transformer_engine.pytorch`` (``Linear``, ``LayerNorm``, ``LayerNormLinear``,
+``fp8_autocast``) and ``transformer_engine.common.recipe`` (``DelayedScaling``,
+``Float8CurrentScaling``, ``Format``), served by
+:mod:`amp_patch.apex_compat.transformer_engine`; its other names are refused in
+the same way, with what to use instead.
+
+A real ``apex`` (or ``amp_C``, or ``transformer_engine``) found on ``sys.path``
+is left alone unless the hook is installed with ``shadow_apex=True``.
 """
 
 from __future__ import annotations
@@ -81,6 +88,10 @@ _ATTENTION_HINT = ("torch.nn.functional.scaled_dot_product_attention or "
 _DIST_OPT_HINT = ("torch.distributed.optim.ZeroRedundancyOptimizer, or FSDP with "
                   "torch.optim.AdamW(fused=True)")
 _NCCL_HINT = "torch.distributed's NCCL collectives and send/recv"
+_TE = "amp_patch.apex_compat.transformer_engine"
+_TE_ROOT = "transformer_engine"
+_TE_BLOCKS = ("te.Linear / te.LayerNormLinear (served) for the GEMMs inside a torch block, "
+              "torch.nn.functional.scaled_dot_product_attention for attention")
 
 #: The names served, and where their attributes come from.
 MODULES: dict[str, _Mapping] = {
@@ -144,6 +155,16 @@ MODULES: dict[str, _Mapping] = {
     "apex_C": _Mapping("amp_patch.apex_compat.apex_C", "flatten, unflatten"),
     "fused_adam_cuda": _Mapping("amp_patch.apex_compat.fused_adam_cuda",
                                 "adam, adam_mt (Apex's arithmetic)"),
+    # Transformer Engine's PyTorch spelling of FP8 training (docs/fp8.md).
+    "transformer_engine": _Mapping(None, "the package", ("pytorch", "common")),
+    "transformer_engine.pytorch": _Mapping(
+        _TE, "Linear, LayerNorm, LayerNormLinear, fp8_autocast (and autocast)",
+        ("Linear", "LayerNorm", "LayerNormLinear", "fp8_autocast", "autocast",
+         "is_fp8_enabled")),
+    "transformer_engine.common": _Mapping(None, "the package", ("recipe",)),
+    "transformer_engine.common.recipe": _Mapping(
+        _TE, "DelayedScaling, Float8CurrentScaling, Format",
+        ("DelayedScaling", "Float8CurrentScaling", "Format", "Recipe")),
 }
 
 #: Every top-level module Apex's ``setup.py`` compiled (amp as of its removal), to None when
@@ -231,6 +252,33 @@ _HINTS: dict[str, str] = {
 }
 
 
+_HINTS.update({
+    "transformer_engine": "transformer_engine.pytorch (Linear, LayerNorm, LayerNormLinear, "
+                          "fp8_autocast) and transformer_engine.common.recipe (served)",
+    "transformer_engine.common": "transformer_engine.common.recipe (DelayedScaling, "
+                                 "Float8CurrentScaling, Format; served)",
+    "transformer_engine.jax": "transformer_engine.pytorch (served)",
+    "transformer_engine.pytorch.RMSNorm": "torch.nn.RMSNorm, or "
+                                          "te.LayerNormLinear(normalization='RMSNorm')",
+    "transformer_engine.pytorch.LayerNormMLP": "te.LayerNormLinear, an activation, then te.Linear",
+    "transformer_engine.pytorch.TransformerLayer": _TE_BLOCKS,
+    "transformer_engine.pytorch.MultiheadAttention": _TE_BLOCKS,
+    "transformer_engine.pytorch.DotProductAttention":
+        "torch.nn.functional.scaled_dot_product_attention",
+    "transformer_engine.pytorch.GroupedLinear": "one te.Linear per group",
+    "transformer_engine.pytorch.fp8_model_init": "plain te.Linear layers (the weights keep their "
+                                                 "precision; their FP8 cast is per iteration)",
+    "transformer_engine.pytorch.checkpoint": "torch.utils.checkpoint.checkpoint",
+    "transformer_engine.pytorch.make_graphed_callables": "torch.cuda.make_graphed_callables",
+    "transformer_engine.pytorch.distributed": "torch.distributed and torch.utils.checkpoint",
+    "transformer_engine.pytorch.optimizers": "amp_patch.optimizers (FusedAdam, FusedSGD, ...)",
+    "transformer_engine.common.recipe.MXFP8BlockScaling": "DelayedScaling or "
+                                                          "Float8CurrentScaling",
+    "transformer_engine.common.recipe.Float8BlockScaling": "Float8CurrentScaling, or "
+                                                           "amp.initialize(fp8='rowwise')",
+    "transformer_engine.common.recipe.NVFP4BlockScaling": "DelayedScaling or "
+                                                          "Float8CurrentScaling (FP8)",
+})
 _HINTS.update({name: hint for name, hint in COMPILED_MODULES.items() if hint is not None})
 _HINTS.update({f"fused_adam_cuda.{name}": "fused_adam_cuda.adam / adam_mt (served); the helpers of "
                "Apex's distributed optimizers are not provided"
@@ -251,10 +299,14 @@ def _hint(name: str) -> str | None:
 def unsupported_message(name: str) -> str:
     """The error message for the unsupported name ``name`` (e.g. ``"apex.contrib.xyz"``)."""
     hint = _hint(name)
-    supported = "; ".join(f"{n} ({m.what})" for n, m in MODULES.items() if n != "apex")
-    return (f"{name} is not supported by amp_patch's Apex compatibility layer (amp-patch run)."
+    te = name.partition(".")[0] == _TE_ROOT
+    supported = "; ".join(f"{n} ({m.what})" for n, m in MODULES.items()
+                          if n not in ("apex", _TE_ROOT, f"{_TE_ROOT}.common")
+                          and (n.partition(".")[0] == _TE_ROOT) == te)
+    layer, doc = ("Transformer Engine", "docs/fp8.md") if te else ("Apex", "docs/migration.md")
+    return (f"{name} is not supported by amp_patch's {layer} compatibility layer (amp-patch run)."
             + (f" Use instead: {hint}." if hint else "")
-            + f" Supported: {supported}. See docs/migration.md.")
+            + f" Supported: {supported}. See {doc}.")
 
 
 def _public_names(module: types.ModuleType) -> list[str]:
@@ -367,7 +419,7 @@ class ApexFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_loader(fullname, self._loader, is_package=True)
 
 
-_ROOTS = ("apex", *COMPILED_MODULES)
+_ROOTS = ("apex", *COMPILED_MODULES, _TE_ROOT)
 
 
 def real_installations() -> dict[str, str]:

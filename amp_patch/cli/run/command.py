@@ -29,7 +29,11 @@ FusedMixedPrecisionLamb, FusedSGD, FusedNovoGrad, FusedAdagrad), apex.parallel
 (DistributedDataParallel), apex.normalization, apex.fp16_utils,
 apex.multi_tensor_apply, apex.contrib.optimizers (FP16_Optimizer, FusedAdam),
 apex.contrib.xentropy and apex.contrib.clip_grad, and Apex's compiled modules
-amp_C, apex_C and fused_adam_cuda. The script needs no edits. An apex name (or
+amp_C, apex_C and fused_adam_cuda; and Transformer Engine's FP8 spelling
+(transformer_engine.pytorch: Linear, LayerNorm, LayerNormLinear, fp8_autocast;
+transformer_engine.common.recipe: DelayedScaling, Float8CurrentScaling, Format)
+on amp_patch's FP8 ops, on the CPU and on GPUs without TE. The script needs no
+edits. An apex name (or
 another of Apex's compiled modules: syncbn, fused_layer_norm_cuda, ...) that
 amp_patch does not provide fails at import with a message naming it and what
 to use instead, is logged as a warning even if the script catches the error,
