@@ -19,6 +19,7 @@ from amp_patch import (
 )
 from amp_patch.frontend.checkpoint import load_checkpoint, save_checkpoint
 from amp_patch.frontend.clip import clip_grad_norm_
+from amp_patch.frontend.fp8 import fp8_autocast, fp8_plan
 from amp_patch.frontend.legacy_handle import init
 from amp_patch.frontend.lifecycle import deinitialize, initialize, load_state_dict, state_dict
 from amp_patch.frontend.loss_scaling import master_params, scale_loss
@@ -34,6 +35,7 @@ from amp_patch.patching.registry import (
     register_promote_function,
 )
 from amp_patch.patching.state import disable_casts
+from amp_patch.settings.fp8 import Fp8Recipe
 from amp_patch.settings.properties import Properties
 
 __version__ = "0.1.0"
@@ -52,6 +54,10 @@ __all__ = [
     "scale_loss",
     "master_params",
     "clip_grad_norm_",
+    # FP8
+    "Fp8Recipe",
+    "fp8_autocast",
+    "fp8_plan",
     # O1 casting
     "disable_casts",
     "half_function",

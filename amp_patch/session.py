@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 if TYPE_CHECKING:
+    from amp_patch.casting.fp8 import Fp8Conversion
     from amp_patch.casting.fsdp import ShardingPlan
     from amp_patch.optim.amp import OptimizerRecord
     from amp_patch.patching.cpu_half import CpuHalfPlan
@@ -59,6 +60,8 @@ class AmpSession:
             (:mod:`amp_patch.patching.cpu_half`); None when nothing computes in half there.
         sharding (ShardingPlan or None): what amp changed in the FSDP2 states of
             the models (:mod:`amp_patch.casting.fsdp`); None when none is sharded.
+        fp8 (Fp8Conversion or None): the layers ``fp8=`` converted, their plan
+            and delayed states (:mod:`amp_patch.casting.fp8`); None without FP8.
         rank_check (RankCheck or None): the cross-rank check of each step's
             decisions (``AMP_PATCH_DEBUG_RANKS=1``, :mod:`amp_patch.frontend.debug`);
             None when off.
@@ -76,6 +79,7 @@ class AmpSession:
         self.serial = next(_serials)
         self.cpu_half: CpuHalfPlan | None = None
         self.sharding: ShardingPlan | None = None
+        self.fp8: Fp8Conversion | None = None
         # A RankCheck (amp_patch.frontend.debug, a layer above): typed loosely, no import.
         self.rank_check: Any = None
         # (what, undo, abort-only undo or None): see on_close.

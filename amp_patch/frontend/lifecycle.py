@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from amp_patch import ops as _ops, session as _session
-from amp_patch.casting import fsdp as _fsdp, model as _model
+from amp_patch.casting import fp8 as _fp8, fsdp as _fsdp, model as _model
 from amp_patch.frontend import debug as _debug
 from amp_patch.helpers import agree as _agree, logs as _logging
 from amp_patch.optim import amp as _optim
@@ -24,6 +24,7 @@ from amp_patch.patching.state import disable_casts
 from amp_patch.scaler import AmpScaler
 from amp_patch.settings import levels as _levels
 from amp_patch.settings.dtypes import HALF_DTYPES
+from amp_patch.settings.fp8 import Fp8ModuleFilter, Fp8Recipe
 from amp_patch.settings.properties import Properties
 
 __all__ = ["initialize", "deinitialize", "state_dict", "load_state_dict"]
@@ -55,6 +56,8 @@ def initialize(
     optimizer_state: str | None = None,
     sync_free: bool | None = None,
     host_read_interval: int | None = None,
+    fp8: str | Fp8Recipe | None = None,
+    fp8_modules: Fp8ModuleFilter | list[str] | str = None,
 ):
     """Set up mixed precision for models and optimizers at an opt level.
 
@@ -122,6 +125,17 @@ def initialize(
         host_read_interval (int, optional): with ``sync_free``, the updates
             between two host reads of a loss scaler's state, where its overflow
             messages are logged and a collapse raises. Default: 100.
+        fp8 (str or Fp8Recipe, optional): run the eligible ``nn.Linear`` layers'
+            three GEMMs (forward, grad-input, grad-weight) in FP8 through
+            ``torch._scaled_mm``, at any level: ``"tensorwise"`` (current
+            per-tensor scaling), ``"delayed"`` (amax histories, updated once per
+            optimizer step), ``"rowwise"`` (per-row scales, E4M3), or an
+            :class:`~amp_patch.Fp8Recipe`. The rest of the model runs at the
+            level's precision. :func:`amp_patch.fp8_plan` tells which layers were
+            converted (see :mod:`amp_patch.casting.fp8`). Default: None.
+        fp8_modules (callable or list of str, optional): which layers FP8
+            converts instead of the default filter: ``(name, linear) -> bool``,
+            or names (exact or fnmatch patterns). Default: the recipe's.
 
     Returns:
         The models and optimizers, as passed.
@@ -182,6 +196,8 @@ def initialize(
         optimizer_state=optimizer_state,
         sync_free=sync_free,
         host_read_interval=host_read_interval,
+        fp8=fp8,
+        fp8_modules=fp8_modules,
     )
     restore_logging = _logging.configure(props.verbosity)
     try:
@@ -225,6 +241,13 @@ def _build(session: _session.AmpSession) -> None:
     session.sharding = _fsdp.prepare(props, session.models, session.on_close)
     _model.prepare(props, session.models, session.on_close, sharding=session.sharding,
                    master_for=session.master_for, load_master=session.load_master)
+    # After the cast (it reads the weights' dtypes), before the optimizers get their masters
+    # (it maps each weight to the optimizer that steps it).
+    session.fp8 = _fp8.install(props, session.models,
+                               [underlying_optimizer(o) for o in session.optimizers],
+                               session.on_close, no_casts=disable_casts)
+    if session.fp8 is not None:
+        session.on_close("the session's FP8 layers", lambda: setattr(session, "fp8", None))
     # Before O1's patches, so that O1's wrappers call the emulating ones they find.
     session.cpu_half = _cpu_half.install(props, session.models, session.on_close)
     if props.patch_torch_functions:
@@ -285,13 +308,15 @@ def deinitialize() -> None:
 
 
 def state_dict(destination: dict | None = None) -> dict[str, dict[str, Any]]:
-    """The loss scalers' state, for a checkpoint.
+    """The loss scalers' state, and the FP8 layers' delayed state, for a checkpoint.
 
     Args:
         destination (dict, optional): a dict to fill instead of a new one.
 
     Returns:
-        dict: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int, ...}, ...}``.
+        dict: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int, ...}, ...}``;
+        under ``fp8="delayed"`` also ``"fp8": {"<layer>.history": Tensor,
+        "<layer>.scale": Tensor, ...}`` (copies).
 
     Raises:
         RuntimeError: if :func:`initialize` was not called.
@@ -300,6 +325,9 @@ def state_dict(destination: dict | None = None) -> dict[str, dict[str, Any]]:
     out = {} if destination is None else destination
     for i, scaler in enumerate(session.scalers):
         out[f"loss_scaler{i}"] = scaler.state_dict()
+    fp8_state = session.fp8.state_dict() if session.fp8 is not None else {}
+    if fp8_state:
+        out["fp8"] = fp8_state
     return out
 
 
@@ -309,7 +337,8 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     Args:
         state (dict): as returned by :func:`state_dict`: ``{"loss_scaler0":
             {"loss_scale": float, "unskipped": int, ...}, ...}``, one entry per
-            loss; other keys are ignored.
+            loss, and ``"fp8"`` (the delayed FP8 state; a checkpoint without it
+            loads, and the FP8 layers keep their scales); other keys are ignored.
 
     Raises:
         RuntimeError: if :func:`initialize` was not called, or the checkpoint's
@@ -324,8 +353,16 @@ def load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     if not session.props.enabled:
         return
     expected = check_scaler_states(session, state)
+    fp8_state = state.get("fp8")
+    if fp8_state is not None and session.fp8 is not None:
+        session.fp8.check_state_dict(fp8_state)
     for key, scaler in zip(expected, session.scalers):
         scaler.load_state_dict(state[key])
+    if session.fp8 is not None and fp8_state is not None:
+        session.fp8.load_state_dict(fp8_state)
+    elif session.fp8 is not None and session.fp8.state_dict():
+        _logging.logger.info("amp_patch: the amp state holds no FP8 state (saved without "
+                             "fp8='delayed'?): the FP8 layers keep their current scales")
 
 
 def check_scaler_states(session: _session.AmpSession, state: Any) -> list[str]:

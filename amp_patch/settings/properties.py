@@ -11,6 +11,7 @@ import torch
 
 from amp_patch.settings import levels as _levels
 from amp_patch.settings.dtypes import MASTER_WEIGHT_DTYPES, OPTIMIZER_STATE_NAMES, check_half_dtype
+from amp_patch.settings.fp8 import Fp8ModuleFilter, Fp8Recipe, check_fp8_modules
 from amp_patch.settings.levels import DYNAMIC
 
 __all__ = ["Properties", "DYNAMIC", "DEFAULT_MAX_CONSECUTIVE_SKIPS",
@@ -96,6 +97,13 @@ class Properties:
             half inputs, outputs rounded to half) exactly where
             :func:`amp_patch.cpu_half_support` reports the host not native;
             ``"native"`` never emulates; ``"emulate"`` always does.
+        fp8 (Fp8Recipe or None): run eligible ``nn.Linear`` layers' GEMMs in FP8
+            (:mod:`amp_patch.casting.fp8`); ``"tensorwise"``, ``"delayed"`` and
+            ``"rowwise"`` become the default :class:`~amp_patch.Fp8Recipe` of
+            that scaling. Default: None.
+        fp8_modules (None, callable or tuple of str): which layers FP8 converts,
+            overriding the recipe's ``modules`` (see :attr:`fp8_recipe`); needs
+            ``fp8``. Default: None.
 
     Example::
 
@@ -126,12 +134,19 @@ class Properties:
     host_read_interval: int = DEFAULT_HOST_READ_INTERVAL
     enabled: bool = True
     cpu_half_compute: str = "auto"
+    fp8: Fp8Recipe | None = None
+    fp8_modules: Fp8ModuleFilter = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalisation of a frozen instance, before anyone sees it
         level = _levels.get(self.opt_level)  # raises for an unknown level, listing them
         check_half_dtype(self.half_dtype)
         check_cpu_half_mode(self.cpu_half_compute)
+        set_(self, "fp8", Fp8Recipe.from_arg(self.fp8))
+        set_(self, "fp8_modules", check_fp8_modules(self.fp8_modules))
+        if self.fp8_modules is not None and self.fp8 is None:
+            raise ValueError("fp8_modules chooses the layers FP8 converts, but fp8 is None: pass "
+                             "fp8='tensorwise', 'delayed', 'rowwise' or an amp_patch.Fp8Recipe")
         set_(self, "keep_batchnorm_fp32", _parse_optional_bool(self.keep_batchnorm_fp32))
         set_(self, "loss_scale", _parse_loss_scale(self.loss_scale))
         if not (self.cast_model_type is None or self.cast_model_type is False
@@ -256,6 +271,13 @@ class Properties:
         return MASTER_WEIGHT_DTYPES.get(self.master_weights, torch.float32)  # type: ignore[arg-type]
 
     @property
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """The FP8 recipe in effect: :attr:`fp8` with :attr:`fp8_modules` as its filter."""
+        if self.fp8 is None or self.fp8_modules is None:
+            return self.fp8
+        return self.fp8.with_modules(self.fp8_modules)
+
+    @property
     def skips_unscale(self) -> bool:
         """True for the fast path: a static scale of 1.0 and no master weights."""
         return self.loss_scale == 1.0 and not self.master_weights
@@ -267,6 +289,8 @@ class Properties:
                      "keep_batchnorm_fp32", "master_weights", "optimizer_state", "loss_scale",
                      "cpu_half_compute"):
             lines.append(f"  {name:<22}: {getattr(self, name)}")
+        if self.fp8_recipe is not None:
+            lines.append(f"  {'fp8':<22}: {self.fp8_recipe.describe()}")
         return "\n".join(lines)
 
 
