@@ -1,7 +1,8 @@
 // The per-element update rules of the fused optimizers, written once for the
-// CPU loops (csrc/cpu/optim_loops.h, T = at::vec::Vectorized<float>) and the
-// CUDA kernels (csrc/cuda/optim_*.cu, T = RnFloat, whose operators are the
-// round-to-nearest intrinsics that nvcc never contracts into an FMA).
+// CPU loops (csrc/cpu/optim_rule_loops.h and optim_lean_loops.h, T =
+// at::vec::Vectorized<float>) and the CUDA kernels (csrc/cuda/optim_*.cu and
+// optim_lean_rules.cuh, T = RnFloat, whose operators are the round-to-nearest
+// intrinsics that nvcc never contracts into an FMA).
 //
 // Every operation is one IEEE fp32 operation rounded on its own, in the order
 // written, which is also the order of the reference bodies in amp_patch/ops/optimizer_ops.py:
