@@ -284,6 +284,12 @@ class Fp8Layer:
                           amax_grad=slots["amax_grad"])
         scaling = "delayed" if delayed else (
             "rowwise" if recipe.scaling == "rowwise" else "tensorwise")
+        if torch.compiler.is_compiling():
+            # O1's wrappers lower to plain casts under torch.compile, with the same decisions:
+            # none of them touches the FP8 path's tensors (FP8 codes, fp32 amaxes and scales),
+            # and switching them off would break the graph.
+            return fp8_ops.fp8_linear(x, weight, bias, fmt=fmt, scaling=scaling, weight_fp8=wq,
+                                      emulate=emulate, margin=recipe.margin, **kwargs)
         with self.no_casts():
             return fp8_ops.fp8_linear(x, weight, bias, fmt=fmt, scaling=scaling, weight_fp8=wq,
                                       emulate=emulate, margin=recipe.margin, **kwargs)

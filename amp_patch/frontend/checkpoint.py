@@ -7,7 +7,8 @@
 - ``optimizer``: the optimizer's state keyed by parameter name rather than by
   position, with its fp32 masters (O2 without FSDP) under
   ``amp_master_params``, so that it loads into another world size;
-- ``amp``: the loss scalers (:func:`amp_patch.state_dict`);
+- ``amp``: the loss scalers (:func:`amp_patch.state_dict`), and the FP8 layers'
+  delayed state under ``fp8="delayed"``;
 - ``rng``: each rank's torch RNG states (CPU, and CUDA's current device);
 - the caller's ``extra`` entries.
 
@@ -154,7 +155,13 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None, *,
     if "amp" in state:
         amp_state = _nested(plain, "amp")
         check_scaler_states(session, amp_state)
-        del state["amp"]
+        fp8_copies = state["amp"].get("fp8")
+        if fp8_copies and any(k.startswith("amp.fp8.") for k in keys):
+            # The FP8 layers' delayed state loads into copies of its tensors, then through
+            # load_state_dict with the scalers; a checkpoint without it keeps the live one.
+            state["amp"] = {"fp8": fp8_copies}
+        else:
+            del state["amp"]
     for opt, key in zip(optimizers, optimizer_keys):
         if _take_saved_codes(opt, key, metadata, names, session):
             state[key]["state"] = _optimizer_state(opt, names, session)["state"]
@@ -168,6 +175,8 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None, *,
     for i, m in enumerate(models):
         _unwrap(m).load_state_dict(state[_key("model", i, len(models))])
     if amp_state is not None:
+        if "amp" in state:
+            amp_state["fp8"] = state["amp"]["fp8"]
         load_state_dict(amp_state)
     for kind, value in next(iter(state["rng"].values()), {}).items():
         _set_rng(kind, value)
@@ -185,7 +194,8 @@ def _read_plain_entries(state: dict[str, Any], keys: set[str], optimizer_keys: l
     # A dotted top-level key is the flat key DCP would make of the nested one.
     plain: dict[str, Any] = {f"{key}.param_groups": None for key in optimizer_keys}
     if "amp" in state:
-        plain.update((k, None) for k in keys if k.startswith("amp."))
+        plain.update((k, None) for k in keys
+                     if k.startswith("amp.") and not k.startswith("amp.fp8."))
     with _single_process_quiet():
         dcp.load(plain, checkpoint_id=checkpoint_id, storage_reader=reader,
                  process_group=process_group)
