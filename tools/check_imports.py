@@ -62,7 +62,7 @@ ROLES: dict[str, str] = {
                "by (device, dtype), verdicts every rank agrees on, gloo teardown",
     "settings": "the half dtypes and their names (and the names of the optimizer-state "
                 "precisions), the opt-level registry, the frozen `Properties` and their "
-                "validation (the CPU half modes among them)",
+                "validation (the CPU half modes among them), the frozen `Fp8Recipe`",
     "ops": "the op schemas, their reference bodies (the lean optimizer ops' state codes and "
            "stochastic rounding among them), the kernel loading, Apex's "
            "`multi_tensor_applier`",
@@ -70,13 +70,16 @@ ROLES: dict[str, str] = {
     "optimizers": "`optim/fused`: the fused optimizers and their state formats; `optim/amp`: "
                   "optimizer records, masters (fp32 or bf16), patched `step`/`zero_grad`, "
                   "checkpoint hooks, LARC",
-    "model casting": "O2/O3 casts and hooks; fitting FSDP2 states to the level",
+    "model casting": "O2/O3 casts and hooks; fitting FSDP2 states to the level; the FP8 "
+                     "`nn.Linear` layers (`fp8`: their filter, forward, weight-cast cache and "
+                     "delayed state, and the `fp8_autocast` regions' stack)",
     "patching": "O1's lists, wrappers, patcher and cast state; CPU half detection and "
                 "emulation (`patching/cpu_half`); O1's weight casts on FSDP2's all-gathered "
                 "params (`regather`)",
     "session": "`AmpSession`, the one global: what one `initialize` built, and its undo stack",
     "front end": "`initialize`, `scale_loss`, `init` (Apex's handle API), `clip_grad_norm_`, "
-                 "checkpoints, the ranks' decision check (`AMP_PATCH_DEBUG_RANKS`)",
+                 "checkpoints, `fp8_autocast` and `fp8_plan`, the ranks' decision check "
+                 "(`AMP_PATCH_DEBUG_RANKS`)",
     "apex_compat": "Apex's names as thin faces over the parts below",
     "public names": "the `amp_patch` namespace and `amp_patch.optimizers`, the names users import",
     "cli": "the `amp-patch` command: `compare/`, `run/`, `doctor`",

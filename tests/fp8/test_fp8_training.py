@@ -521,24 +521,30 @@ sys.path.insert(0, sys.argv[1])
 import amp_patch as amp
 from fp8.test_fp8_training import net, batch, loss_of, recipe
 
-out = sys.argv[2]
+out, strategy = sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = net()
+if strategy == "fsdp2":  # FP8 compute on the all-gathered weights
+    from torch.distributed.fsdp import fully_shard
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16,
                             loss_scale="dynamic", fp8=recipe("delayed"), verbosity=0)
-ddp = torch.nn.parallel.DistributedDataParallel(model)
+ddp = torch.nn.parallel.DistributedDataParallel(model) if strategy == "ddp" else model
 losses = []
 for i in range(4):
-    x, y = batch(2 * i + rank)
+    x, y = batch(2 * i + rank) if strategy == "ddp" else batch(0)
     loss = loss_of(ddp(x), y)
     with amp.scale_loss(loss, opt) as scaled:
         scaled.backward()
     opt.step()
     opt.zero_grad()
     losses.append(loss.item())
-torch.save({"params": [p.detach() for p in model.parameters()], "losses": losses,
+torch.save({"params": [p.detach().full_tensor() if strategy == "fsdp2" else p.detach()
+                       for p in model.parameters()], "losses": losses,
             "plan": amp.fp8_plan().converted}, out)
 from amp_patch.helpers import close_process_group
 close_process_group()
@@ -546,11 +552,13 @@ close_process_group()
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks(strategy, tmp_path):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE="2", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", DDP_WORKER, str(TESTS),
-                               str(tmp_path / f"{r}.pt")], env=dict(env, RANK=str(r)))
+                               str(tmp_path / f"{r}.pt"), strategy],
+                              env=dict(env, RANK=str(r)))
              for r in range(2)]
     try:
         codes = [p.wait(timeout=300) for p in procs]
@@ -563,3 +571,5 @@ def test_ddp_two_ranks(tmp_path):
     assert r0["plan"] == ("0", "2", "4")
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in (r0, r1))
+    if strategy == "fsdp2":  # the same batches on both ranks
+        assert r0["losses"] == r1["losses"] and r0["losses"][-1] < r0["losses"][0]
