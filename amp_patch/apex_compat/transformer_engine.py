@@ -45,7 +45,6 @@ iteration uses; the first iteration's scales are 1.0.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import enum
 import logging
@@ -55,7 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amp_patch.casting import fp8 as _fp8_casting
+from amp_patch.frontend import fp8 as _amp_fp8
 from amp_patch.ops import fp8_ops
+from amp_patch.settings.fp8 import Fp8Recipe
 
 __all__ = ["TransformerEngineUnsupported", "Format", "DelayedScaling", "Float8CurrentScaling",
            "Recipe", "to_fp8_recipe", "fp8_autocast", "autocast", "is_fp8_enabled",
@@ -166,26 +168,6 @@ class Float8CurrentScaling(Recipe):
         _format(self.fp8_format)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What a :class:`Linear` reads of a recipe (amp_patch's ``Fp8Recipe`` has these fields)."""
-
-    scaling: str = "delayed"
-    format: str = "hybrid"
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    margin: int = 0
-    emulate: bool = False
-
-
-def _recipe_class() -> Any:
-    try:
-        from amp_patch.settings.fp8 import Fp8Recipe
-    except ImportError:  # the settings' recipe not there: the plan carries the same fields
-        return _Plan
-    return Fp8Recipe
-
-
 def to_fp8_recipe(recipe: Any = None) -> Any:
     """amp_patch's ``Fp8Recipe`` for a TE recipe (None: TE's default, ``DelayedScaling()``).
 
@@ -195,7 +177,7 @@ def to_fp8_recipe(recipe: Any = None) -> Any:
     Raises:
         TypeError: not a recipe.
     """
-    cls = _recipe_class()
+    cls = Fp8Recipe
     if recipe is None:
         recipe = DelayedScaling()
     if isinstance(recipe, DelayedScaling):
@@ -204,13 +186,8 @@ def to_fp8_recipe(recipe: Any = None) -> Any:
                    amax_compute_algo=recipe.amax_compute_algo, margin=recipe.margin)
     if isinstance(recipe, Float8CurrentScaling):
         return cls(scaling="tensorwise", format=_format(recipe.fp8_format))
-    if isinstance(recipe, str):
-        from_arg = getattr(cls, "from_arg", None)
-        if from_arg is not None:
-            return from_arg(recipe)
-        return cls(scaling=recipe, format="e4m3" if recipe == "rowwise" else "hybrid")
-    if hasattr(recipe, "scaling") and hasattr(recipe, "format"):
-        return recipe
+    if isinstance(recipe, (str, Fp8Recipe)):
+        return Fp8Recipe.from_arg(recipe)
     raise TypeError(f"fp8_recipe must be a DelayedScaling, a Float8CurrentScaling or an "
                     f"amp_patch Fp8Recipe, got {type(recipe).__name__}")
 
@@ -218,28 +195,23 @@ def to_fp8_recipe(recipe: Any = None) -> Any:
 # ---------------------------------------------------------------------------------------
 # The FP8 region
 
-#: The innermost region: (enabled, recipe), or None outside every region.
-_REGION: contextvars.ContextVar[tuple[bool, Any] | None] = contextvars.ContextVar(
-    "amp_patch_te_fp8_region", default=None)
-
-
 def is_fp8_enabled() -> bool:
-    """Whether the innermost :func:`fp8_autocast` region is enabled (TE's ``FP8GlobalStateManager``)."""
-    region = _REGION.get()
+    """Whether the innermost FP8 region (TE's or amp's ``fp8_autocast``) is enabled."""
+    region = _fp8_casting.current_region()
     return bool(region and region[0])
 
 
-def _amp_region(enabled: bool, recipe: Any) -> contextlib.AbstractContextManager[Any]:
-    """amp's own FP8 region, when a live session runs FP8: it governs the layers amp converted."""
-    try:
-        from amp_patch import session as _session
-        from amp_patch.frontend import fp8 as _amp_fp8
-    except ImportError:
-        return contextlib.nullcontext()
-    live = _session.current()
-    if live is None or getattr(getattr(live, "properties", None), "fp8", None) is None:
-        return contextlib.nullcontext()
-    return _amp_fp8.fp8_autocast(enabled=enabled, recipe=recipe)
+def _region_recipe() -> Fp8Recipe | None:
+    """The recipe TE's layers run with here: the innermost region's, else the live session's
+    (``amp.fp8_autocast()`` with no recipe inside ``initialize(fp8=...)``), else TE's default;
+    None outside every region or in a disabled one."""
+    region = _fp8_casting.current_region()
+    if region is None or not region[0]:
+        return None
+    if region[1] is not None:
+        return region[1]
+    plan = _amp_fp8.fp8_plan()
+    return plan.recipe if plan is not None else to_fp8_recipe(None)
 
 
 @contextlib.contextmanager
@@ -247,10 +219,11 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: An
                  fp8_group: Any = None, _graph: bool = False) -> Iterator[None]:
     """TE's FP8 region: :class:`Linear` layers run their GEMMs in FP8 inside it when enabled.
 
-    Without :func:`amp_patch.initialize` the region alone turns FP8 on for the TE
-    layers; inside an amp session initialized with ``fp8=``, it is also
-    :func:`amp_patch.fp8_autocast` for the layers amp converted. Regions nest:
-    the innermost wins (``enabled=False`` inside turns FP8 off).
+    It is :func:`amp_patch.fp8_autocast` with the recipe converted
+    (:func:`to_fp8_recipe`): without :func:`amp_patch.initialize` the region
+    alone turns FP8 on for the TE layers; inside an amp session initialized with
+    ``fp8=``, the layers amp converted follow it too. Regions nest, TE's and
+    amp's alike: the innermost wins (``enabled=False`` inside turns FP8 off).
 
     Args:
         enabled (bool, optional): FP8 on (default) or off in the region.
@@ -273,12 +246,8 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: An
         _warn_once("fp8_group", "fp8_autocast(fp8_group=...): amp_patch does not reduce FP8 "
                    "amaxes across ranks; each rank keeps its own scales")
     recipe = to_fp8_recipe(fp8_recipe) if enabled else None
-    token = _REGION.set((bool(enabled), recipe))
-    try:
-        with _amp_region(bool(enabled), recipe):
-            yield
-    finally:
-        _REGION.reset(token)
+    with _amp_fp8.fp8_autocast(enabled=bool(enabled), recipe=recipe):
+        yield
 
 
 @contextlib.contextmanager
@@ -401,10 +370,10 @@ class _Fp8Linear:
 
 def _linear(owner: nn.Module, fp8: _Fp8Linear, x: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None) -> torch.Tensor:
-    region = _REGION.get()
-    if region is None or not region[0]:
+    recipe = _region_recipe()
+    if recipe is None:
         return F.linear(x, weight, bias)
-    return fp8(owner, x, weight, bias, region[1])
+    return fp8(owner, x, weight, bias, recipe)
 
 
 class Linear(nn.Linear):

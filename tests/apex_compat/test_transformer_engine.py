@@ -170,3 +170,26 @@ def test_te_autocast_is_fp8_autocast():
     with pytest.raises(shim.TransformerEngineUnsupported, match="calibrating"):
         with shim.fp8_autocast(calibrating=True):
             pass
+
+
+def test_te_region_is_amps_region():
+    """TE's region is amp.fp8_autocast: a layer amp converted follows it, and amp's region
+    drives TE's layers (with the session's recipe when it names none)."""
+    import amp_patch as amp
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), shim.Linear(32, 16, device="cpu"))
+    amp.initialize(net, opt_level="O0", fp8=amp.Fp8Recipe(min_features=16), verbosity=0)
+    try:
+        plan = amp.fp8_plan()
+        assert plan.converted == ("0",) and "overrides nn.Linear.forward" in plan.left_out["1"]
+        x = torch.randn(4, 32)
+        with shim.fp8_autocast(enabled=False):
+            assert torch.equal(net(x), F.linear(F.linear(x, net[0].weight, net[0].bias),
+                                                net[1].weight, net[1].bias))
+        with amp.fp8_autocast():
+            assert shim.is_fp8_enabled()
+            h = fp8_ops.fp8_linear(x, net[0].weight, net[0].bias)
+            assert torch.equal(net(x), fp8_ops.fp8_linear(h, net[1].weight, net[1].bias))
+    finally:
+        amp.deinitialize()
