@@ -31,7 +31,7 @@ import amp_patch
 from amp_patch import _native, ops
 from amp_patch.ops import optimizer_ops, scaling_ops
 
-__all__ = ["add_parser", "report", "families"]
+__all__ = ["add_parser", "report", "families", "fp8_support"]
 
 #: The op families of the report: name -> the ops (without namespace) that make it up.
 FAMILIES = {
@@ -154,6 +154,47 @@ def _host_syncs() -> str:
         " (sync_free=False: 1 per scale_loss exit, whatever the optimizer)")
 
 
+def fp8_support(device_types: list[str] | None = None) -> str:
+    """Whether ``torch._scaled_mm`` serves FP8 GEMMs on each device type, and in which formats.
+
+    CUDA needs sm_89 or later (Ada, Hopper and later); elsewhere emulation
+    (``Fp8Recipe(emulate=True)``) is the only way, and never chosen silently.
+
+    Example::
+
+        >>> fp8_support(["cpu"]).startswith("torch._scaled_mm: cpu: yes")
+        True
+    """
+    from amp_patch.ops import fp8_ops
+
+    if fp8_ops.SCALED_MM_SIGNATURE is None:
+        return (f"no: torch {torch.__version__} has no torch._scaled_mm with the signature "
+                "amp_patch calls (torch >= 2.5); only emulation (Fp8Recipe(emulate=True))")
+    if device_types is None:
+        device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    parts = []
+    for dev in device_types:
+        if dev == "cuda":
+            caps = sorted({torch.cuda.get_device_capability(i)
+                           for i in range(torch.cuda.device_count())})
+            arch = ", ".join(f"sm_{a}{b}" for a, b in caps)
+            if fp8_ops.fp8_gemm_available("cuda"):
+                parts.append(f"cuda: yes ({arch}; sm_89 or later has FP8 tensor cores)")
+            else:
+                parts.append(f"cuda: no ({arch or 'no kernel'}; FP8 GEMMs need sm_89 or later: "
+                             "emulation only, when asked)")
+            continue
+        if not fp8_ops.fp8_gemm_available(dev):
+            parts.append(f"{dev}: no (emulation only, when asked)")
+            continue
+        rowwise = ("rowwise too" if fp8_ops.fp8_gemm_available(dev, rowwise=True)
+                   else "tensorwise only (rowwise: emulation)")
+        parts.append(f"{dev}: yes, {rowwise}" + (" (no FP8 units: correct, not fast)"
+                                                  if dev == "cpu" else ""))
+    return (f"torch._scaled_mm: {'; '.join(parts)}; formats e4m3fn (max 448) and e5m2 "
+            "(max 57344), HYBRID (E4M3 forward, E5M2 backward) or E4M3; docs/fp8.md")
+
+
 def _import_hook() -> str:
     from amp_patch.apex_compat.import_hook import ApexFinder
 
@@ -204,6 +245,7 @@ def report() -> str:
         *families(),
         ("JIT cache",
          f"{_native.cache_root()} (AMP_PATCH_JIT={os.environ.get('AMP_PATCH_JIT', '1')})"),
+        ("FP8", fp8_support()),
         ("import hook", _import_hook()),
         ("host syncs", _host_syncs()),
         ("environment", " ".join(f"{k}={v}" for k, v in knobs.items()) or "no AMP_PATCH_* set"),

@@ -77,3 +77,15 @@ def test_doctor_says_what_autocast_costs_on_each_host_kind(answer, says, runs):
     assert says in row and "many times" not in row
     assert row.endswith("compare runs it") == runs
     assert ("compare leaves it out" in row) == (not runs)
+
+
+def test_doctor_fp8_row_says_where_fp8_gemms_run(monkeypatch):
+    line = doctor.fp8_support(["cpu"])
+    assert line.startswith("torch._scaled_mm: cpu: yes") and "e5m2 (max 57344)" in line
+    assert "FP8" in dict(_rows(doctor.report()))
+    from amp_patch.ops import fp8_ops
+
+    monkeypatch.setattr(fp8_ops, "fp8_gemm_available", lambda device, rowwise=False: False)
+    assert "cpu: no (emulation only, when asked)" in doctor.fp8_support(["cpu"])
+    monkeypatch.setattr(fp8_ops, "SCALED_MM_SIGNATURE", None)
+    assert doctor.fp8_support(["cpu"]).startswith("no: torch")
