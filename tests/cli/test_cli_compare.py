@@ -52,11 +52,13 @@ def test_compare_all_levels_json_png_table(tmp_path):
     # the host's detection, as the run recorded it, lets it finish in time (docs/compare.md).
     host = host_facts.HostFacts(**data["machine"])
     cost = host_facts.autocast_cost(host, "bf16")
-    assert list(data["levels"]) == [*levels.NAMES, "O2-lean",
+    assert list(data["levels"]) == [*levels.NAMES, "O2-lean", "O2+fp8",
                                     *(["autocast"] if cost.included else [])]
-    assert list(trainer.PRESETS) == ["O2-lean"]
+    assert list(trainer.PRESETS) == ["O2-lean", "O2+fp8"]
     assert data["config"]["presets"] == {
-        "O2-lean": {"opt_level": "O2", "optimizer_state": "int8", "master_weights": "bf16"}}
+        "O2-lean": {"opt_level": "O2", "optimizer_state": "int8", "master_weights": "bf16"},
+        "O2+fp8": {"opt_level": "O2",
+                   "fp8": "tensorwise, format hybrid, margin 0, min_features 16"}}
     o0 = data["levels"]["O0"]
     for level, r in data["levels"].items():
         assert r["ok"] and r["error"] is None and r["unavailable"] is None, level

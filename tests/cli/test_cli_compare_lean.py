@@ -22,7 +22,7 @@ TINY_LM = dict(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len=8, batch_siz
 
 
 def test_presets_are_one_table_beside_the_levels():
-    assert trainer.AMP_ROWS == (*trainer.AMP_LEVELS, "O2-lean")
+    assert trainer.AMP_ROWS == (*trainer.AMP_LEVELS, "O2-lean", "O2+fp8")
     assert trainer.LEVELS == (*trainer.AMP_ROWS, "autocast")
     lean = trainer.preset("O2-lean")
     assert lean is trainer.PRESETS["O2-lean"] and lean.lean_state

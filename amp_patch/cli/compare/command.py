@@ -32,7 +32,7 @@ DEMO_STEPS = 60
 FULL_STEPS = 100
 
 DESCRIPTION = f"""\
-Train one model under O0, O1, O2, O3, O2-lean and torch.autocast (with
+Train one model under O0, O1, O2, O3, O2-lean, O2+fp8 and torch.autocast (with
 torch.amp.GradScaler when the half type is fp16), each level in its own
 process, from the same seed on the same synthetic batches. Then print a table:
 steps/s and speed-up over O0 (median over timed rounds, min-max beside it),
@@ -54,6 +54,12 @@ which need amp_patch's FusedAdam or FusedSGD. The built-in models build it
 with those (lm and mlp FusedAdam, convnet FusedSGD; the other rows keep
 torch's optimizers); with a user's factory whose optimizer is another, the
 row is skipped and the reason printed.
+
+O2+fp8 is O2 with its nn.Linear layers' GEMMs in FP8 (initialize(fp8=...),
+tensorwise scaling, E4M3 forward and E5M2 backward). The built-in models are
+too small for the default filter's size rule (both dims >= 2048), so the row
+converts every linear whose dims are multiples of 16 (min_features=16). It is
+skipped where torch._scaled_mm has no kernel (CUDA before sm_89).
 
 Peak memory is torch.cuda.max_memory_allocated on CUDA; on CPU it is the
 process's peak anonymous resident memory (heap, sampled after forward,
@@ -304,7 +310,7 @@ def _main(ns: argparse.Namespace) -> int:
             console.print(Panel(r.error or "unknown error", title=f"[red]{r.level} failed",
                                 border_style="red"))
 
-    presets = {lv: PRESETS[lv].initialize_kwargs() for lv in levels if lv in PRESETS}
+    presets = {lv: PRESETS[lv].json_kwargs() for lv in levels if lv in PRESETS}
     payload = {"config": dict(job, levels=levels, presets=presets, round_steps=comparison.rounds,
                               torch=torch.__version__, threads=comparison.host.threads,
                               elapsed_s=elapsed),

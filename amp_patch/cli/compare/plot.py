@@ -11,6 +11,7 @@ __all__ = ["write_plot"]
 
 _STYLES = {"O0": ("black", "-", 2.2), "O1": ("tab:blue", "-", 1.4), "O2": ("tab:orange", "-", 1.4),
            "O3": ("tab:red", "-", 1.4), "O2-lean": ("tab:purple", "-.", 1.6),
+           "O2+fp8": ("tab:brown", ":", 1.8),
            "autocast": ("tab:green", "--", 1.6)}
 
 

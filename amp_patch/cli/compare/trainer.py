@@ -19,6 +19,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import amp_patch as amp
 from amp_patch.cli.compare import data_parallel
+from amp_patch.ops import fp8_ops
 from amp_patch.settings import levels
 from amp_patch.settings.dtypes import HALF_DTYPE_NAMES
 
@@ -66,12 +67,28 @@ class Preset:
         """The keyword arguments of :func:`amp_patch.initialize` for this row."""
         return {"opt_level": self.opt_level, **dict(self.options)}
 
+    def json_kwargs(self) -> dict[str, Any]:
+        """:meth:`initialize_kwargs` for JSON: a recipe object as its one-line description."""
+        return {k: v if v is None or isinstance(v, (str, int, float, bool)) else
+                getattr(v, "describe", lambda v=v: repr(v))()
+                for k, v in self.initialize_kwargs().items()}
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the row runs FP8 linears (``initialize(fp8=...)``)."""
+        return dict(self.options).get("fp8") is not None
+
 
 #: The presets that ``compare`` shows by default beside the levels: the one table of them.
 PRESETS: Mapping[str, Preset] = MappingProxyType({p.name: p for p in (
     Preset("O2-lean", "O2", (("optimizer_state", "int8"), ("master_weights", "bf16")),
            "O2 with block-scaled int8 optimizer state and bf16 master weights "
            "(amp_patch's FusedAdam or FusedSGD)"),
+    # The default size rule (min_features 2048) converts none of the built-in models' layers.
+    Preset("O2+fp8", "O2", (("fp8", amp.Fp8Recipe(scaling="tensorwise", min_features=16)),),
+           "O2 with its nn.Linear layers in FP8 (fp8=Fp8Recipe(scaling='tensorwise', "
+           "min_features=16): every layer whose dims are multiples of 16, since the default "
+           "size rule, 2048, converts none of a model this small)", lean_state=False),
 )})
 #: The rows that go through :func:`amp_patch.initialize`: the levels, then the presets.
 AMP_ROWS = (*AMP_LEVELS, *PRESETS)
@@ -163,6 +180,9 @@ class LevelTrainer:
         if strategy not in (None, *data_parallel.STRATEGIES):
             raise ValueError(f"unknown strategy {strategy!r}; choose from "
                              f"{', '.join(data_parallel.STRATEGIES)}")
+        if row is not None and row.fp8 and not fp8_ops.fp8_gemm_available(device):
+            raise Unavailable(f"{row.name} needs FP8 GEMMs (torch._scaled_mm) on {device}; this "
+                              "torch or GPU has none (CUDA needs sm_89 or later)")
         if row is not None and row.lean_state and not _keeps_lean_state(optimizer):
             raise Unavailable(
                 f"{row.name} ({', '.join(f'{k}={v!r}' for k, v in row.options)}) needs amp_patch's "
