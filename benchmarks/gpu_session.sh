@@ -3,7 +3,7 @@
 # a CUDA build of torch in `python3` (plus nvcc, ninja, pytest, hypothesis):
 # build amp_patch with its CUDA kernels, run the CUDA cases of the test suite,
 # GPU-filling models at O0-O3 against autocast (bench_gpu_models, right after the
-# build), the kernel and optimizer benchmarks, O2 training with lean optimizer state
+# build), FP8 training against bf16 (bench_fp8), the kernel and optimizer benchmarks, O2 training with lean optimizer state
 # (bench_lean_state), and O0-O3 training on CUDA in fp16 with loss scaling
 # (bench_e2e, amp-patch compare).
 #
@@ -30,7 +30,7 @@ export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 BUDGET=${BUDGET:-480}
-STEPS=${STEPS:-"env install gpu_models capture resources kernels pytest optimizers lean e2e compare"}
+STEPS=${STEPS:-"env install gpu_models fp8 capture resources kernels pytest optimizers lean e2e compare"}
 START=$SECONDS
 failed=()
 summary=()
@@ -97,6 +97,11 @@ fi
 # ResNet-50 in fp16 only (14 rows, each a fresh process; estimated, not yet timed on a GPU: 5-10 s a row).
 step gpu_models 150 python3 benchmarks/bench_gpu_models.py --device cuda --warmup 3 --steps 6 \
   --grid gpt2:fp16 gpt2:bf16 resnet50:fp16
+# FP8 (bench_fp8.py, section fp8-cuda, written after every row): the FP8 linear against bf16
+# on an 8192x8192 weight and 16384 tokens (>= 1.5x), every shape of the default filter's grid
+# (>= 1.0x), then Llama-style d=4096 blocks filling half the GPU at O2+fp8 tensorwise against
+# O2 (>= 1.3x; peak memory at most O2's). Needs sm_89 or later; estimated, not yet timed.
+step fp8 90 python3 benchmarks/bench_fp8.py --device cuda --repeats 5 --rounds 2 --steps 3
 # G3: the whole O2 step (forward, backward, scale_loss, FusedAdam) as one CUDA graph against
 # the same step run eagerly, on the 21 M-param LM; tests/test_sync_free.py's CUDA cases (in
 # the pytest step) check that the replays train as eager steps do.
