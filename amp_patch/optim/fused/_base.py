@@ -229,16 +229,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             >>> opt.state_in_code(p, "exp_avg", torch.int8).codes.dtype, sorted(opt.state[p])
             (torch.int8, ['exp_avg', 'exp_avg_scale'])
         """
-        entry = self.state[p]
-        kept = QuantizedState.load(entry, key, self.state_format.block_size)
+        entry, block_size = self.state[p], self.state_format.block_size
+        kept = QuantizedState.load(entry, key, block_size)
         if kept is None:
             like = p if like is None else like
-            fresh = QuantizedState.zeros(like, like.dtype if dtype is None else dtype,
-                                         self.state_format.block_size)
-        elif dtype is None or (fresh := kept.in_code(dtype)) is kept:
+            kept = QuantizedState.zeros(like, dtype or like.dtype, block_size)
+        elif dtype is None or kept.is_in(dtype):
             return kept
-        fresh.store(entry, key)
-        return fresh
+        else:
+            kept = kept.in_code(dtype)
+        kept.store(entry, key)
+        return kept
 
     def _batches(self, group: dict[str, Any], split: Callable[[Tensor], Any] | None = None,
                  state: tuple[str, ...] = ()) -> list[Batch]:

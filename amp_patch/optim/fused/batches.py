@@ -152,7 +152,11 @@ def build_batches(opt: _Source, group: dict[str, Any], split: Callable[[Tensor],
         outs = [o for _, _, _, o in members if o is not None]
         low = fmt.low_precision or (
             opt.stochastic_rounding and any(s.dtype == torch.bfloat16 for s in stepped))
-        codes = [opt._state_codes(p, s, low) for p, s in zip(keys, stepped)]
+        # The codes follow the dtype of the tensor stepped and the format's codes, which
+        # the split keeps alike within a batch: asked once per stepped dtype.
+        by_dtype: dict[torch.dtype, tuple[torch.dtype | None, ...]] = {}
+        codes = [by_dtype.get(s.dtype) or by_dtype.setdefault(s.dtype, opt._state_codes(p, s, low))
+                 for p, s in zip(keys, stepped)]
         lists = []
         for i, name in enumerate(state):
             kept = [opt.state_in_code(p, name, c[i], like=s)

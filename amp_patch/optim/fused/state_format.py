@@ -137,6 +137,10 @@ class QuantizedState(NamedTuple):
         return decode(_local(self.codes), None if self.scales is None else _local(self.scales),
                       self.block_size)
 
+    def is_in(self, dtype: torch.dtype) -> bool:
+        """Whether this state is stored in code ``dtype`` (with scales exactly when scaled)."""
+        return self.codes.dtype == dtype and (self.scales is None) == (dtype not in SCALED_CODES)
+
     def in_code(self, dtype: torch.dtype) -> QuantizedState:
         """This state in code ``dtype``: itself when it is stored so, else decoded and encoded.
 
@@ -144,7 +148,7 @@ class QuantizedState(NamedTuple):
         stepped before :func:`amp_patch.initialize`, a checkpoint saved under
         another format, :func:`amp_patch.deinitialize`).
         """
-        if self.dtype == dtype and (self.scales is None) == (dtype not in SCALED_CODES):
+        if self.is_in(dtype):
             return self
         codes, scales = encode(self.decode(), dtype, self.block_size)
         like = self.codes
