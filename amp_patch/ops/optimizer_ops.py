@@ -13,7 +13,7 @@ optimizer step, updates params and state in place, and never syncs:
   master) is also written, rounded, into model_params[i] (the half model
   param), in the same pass.
 
-Arithmetic is fp32 in the order of csrc/cpu/optim_math.h, one rounding per
+Arithmetic is fp32 in the order of csrc/optim_math.h, one rounding per
 operation; hyper-parameters are rounded to fp32 once and bias corrections are
 1 - beta**step in float64 rounded once, as Apex's host code does.
 """
