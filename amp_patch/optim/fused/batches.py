@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from amp_patch.helpers.tensors import local_tensors
-from amp_patch.optim.fused.state_format import QuantizedState, StateFormat
+from amp_patch.optim.fused.state_format import SCALE_SUFFIX, QuantizedState, StateFormat
 
 __all__ = ["FusedStepInputs", "Batch", "StateLists", "build_batches", "to_device"]
 
@@ -115,6 +115,8 @@ class _Source(Protocol):
     stochastic_rounding: bool
     _inputs: FusedStepInputs | None
 
+    @property
+    def state(self) -> Mapping[Tensor, Any]: ...
     def _grad_of(self, p: Tensor) -> Tensor | None: ...
     def _target(self, p: Tensor) -> tuple[Tensor, Tensor | None]: ...
     def _state_codes(self, key: Tensor, stepped: Tensor,
@@ -144,6 +146,8 @@ def build_batches(opt: _Source, group: dict[str, Any], split: Callable[[Tensor],
         rows.setdefault(key, []).append((p, target, grad, out))
     inputs = opt._inputs
     fmt = opt.state_format
+    states = opt.state
+    names = [(name, name + SCALE_SUFFIX) for name in state]
     batches = []
     for (device, _, split_value), members in rows.items():
         keys = [p for p, _, _, _ in members]
@@ -157,13 +161,24 @@ def build_batches(opt: _Source, group: dict[str, Any], split: Callable[[Tensor],
         by_dtype: dict[torch.dtype, tuple[torch.dtype | None, ...]] = {}
         codes = [by_dtype.get(s.dtype) or by_dtype.setdefault(s.dtype, opt._state_codes(p, s, low))
                  for p, s in zip(keys, stepped)]
-        lists = []
-        for i, name in enumerate(state):
-            kept = [opt.state_in_code(p, name, c[i], like=s)
-                    for p, s, c in zip(keys, stepped, codes)]
-            lists.append(StateLists(local_tensors([q.codes for q in kept]),
-                                    local_tensors([q.scales for q in kept
-                                                   if q.scales is not None])))
+        # The codes and scales as stored, when stored as asked (every step but the first):
+        # read from state[p] directly, with no QuantizedState made per tensor and key.
+        kept_codes: list[list[Tensor]] = [[] for _ in state]
+        kept_scales: list[list[Tensor]] = [[] for _ in state]
+        for p, s, c in zip(keys, stepped, codes):
+            entry = states[p]
+            for i, (name, scale_name) in enumerate(names):
+                data, want = entry.get(name), c[i]
+                scales = entry.get(scale_name) if data is not None else None
+                if data is None or not (want is None
+                                        or QuantizedState.stored_in(data, scales, want)):
+                    made = opt.state_in_code(p, name, want, like=s)
+                    data, scales = made.codes, made.scales
+                kept_codes[i].append(data)
+                if scales is not None:
+                    kept_scales[i].append(scales)
+        lists = [StateLists(local_tensors(kept_codes[i]), local_tensors(kept_scales[i]))
+                 for i in range(len(state))]
         batches.append(Batch(
             device=device, keys=keys, stepped=stepped, stepped_grads=grads,
             # The ops take plain tensors: FSDP2's DTensors hand in their local shards.

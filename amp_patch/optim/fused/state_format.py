@@ -139,7 +139,13 @@ class QuantizedState(NamedTuple):
 
     def is_in(self, dtype: torch.dtype) -> bool:
         """Whether this state is stored in code ``dtype`` (with scales exactly when scaled)."""
-        return self.codes.dtype == dtype and (self.scales is None) == (dtype not in SCALED_CODES)
+        return QuantizedState.stored_in(self.codes, self.scales, dtype)
+
+    @staticmethod
+    def stored_in(codes: Tensor, scales: Tensor | None, dtype: torch.dtype) -> bool:
+        """Whether ``codes`` and ``scales`` hold a state in code ``dtype`` (:meth:`is_in` of the
+        pair, before it is made a :class:`QuantizedState`: the step asks it of every tensor)."""
+        return codes.dtype == dtype and (scales is None) == (dtype not in SCALED_CODES)
 
     def in_code(self, dtype: torch.dtype) -> QuantizedState:
         """This state in code ``dtype``: itself when it is stored so, else decoded and encoded.
