@@ -228,7 +228,7 @@ def report(results: dict[str, Any], summary: dict[str, Any], recipes: tuple[str,
         "the curves are in `fp8_accuracy.json`, the plot in `fp8_accuracy.png`. "
         f"{results['steps']} steps of the compare LM (FusedAdam, lr 3e-3), O2 with seeds "
         f"{seeds_txt}, the FP8 recipes with seed(s) {', '.join(map(str, fp8_seeds))}; "
-        "every linear converted ({len(layers)}: the four of each block and "
+        f"every linear converted ({len(layers)}: the four of each block and "
         f"the head). Final loss: the mean of the last {TAIL} steps' losses. Gap: to O2 "
         "with the same seed (initial weights and data). Seed spread: (max - min) / min of "
         "a row's final losses over the seeds. Cosine: each converted layer's weight "
@@ -236,8 +236,9 @@ def report(results: dict[str, Any], summary: dict[str, Any], recipes: tuple[str,
         f"{', '.join(map(str, probe_steps(results['steps'])))} of every FP8 run (step 0 "
         "apart: there the delayed recipe has no amax history yet and casts with scales of "
         "1.0); the "
-        "logits' error is max |z_fp8 - z| / max |z| on the same probes. ms/step: CPU "
-        "time of a training step, no target (the CPU has no FP8 units).",
+        "logits' error is max |z_fp8 - z| / max |z| on the same probes. ms/step: the "
+        "wall time of a training step on this CPU, which has no FP8 units and was shared "
+        "with other work: no speed comparison, and no target.",
         "",
         common.markdown_table(header, rows),
         "",
