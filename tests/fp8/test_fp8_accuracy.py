@@ -1,7 +1,10 @@
 """FP8's accuracy targets at a reduced size: final loss within 1.5% of O2 bf16, gradient cosine >= 0.95.
 
 benchmarks/accuracy_fp8.py runs the full study (docs/fp8.md, Accuracy); this
-runs its training function at 60 steps with seed 0. The cosine target holds
+runs its training function at 100 steps with seed 0: past the steep fall of the
+first 70 steps, where a step's shift of the curve moves the mean of the last 20
+losses by more than 1.5% (at 60 steps, tensorwise and delayed read -1.5% and
++2.0% on the very curves that end within 0.1% of O2's). The cosine target holds
 from the second step on: at step 0 the delayed recipe has no amax history yet
 and casts with scales of 1.0 (docs/fp8.md, The recipes).
 """
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-STEPS = 60
+STEPS = 100
 
 
 def _load():
