@@ -619,12 +619,17 @@ def _col_major(q: Fp8Tensor) -> Fp8Tensor:
 
 def _quantize_for(x: Tensor, dtype: torch.dtype, scale: Tensor | None, rowwise_dim: int | None,
                   margin: int) -> tuple[Fp8Tensor, Tensor]:
-    """Quantize with a given (delayed) scale, or by current tensorwise or rowwise scaling."""
+    """Quantize with a given (delayed) scale, or by current tensorwise or rowwise scaling.
+
+    A delayed scale of 0 is one not yet set (:class:`Fp8LinearState` before its
+    first update): the current amax gives the scale then, chosen on the device.
+    """
     if rowwise_dim is not None:
         return quantize_rowwise(x, dtype, dim=rowwise_dim, margin=margin)
     if scale is None:
         return quantize_tensorwise(x, dtype, margin)
     a = amax(x)
+    scale = torch.where(scale > 0, scale, scale_from_amax(a, dtype, margin))
     return quantize(x, scale, dtype, a), a
 
 
@@ -812,7 +817,8 @@ class Fp8LinearState:
 
     The forward records each amax into row 0 of its history (:meth:`slots`);
     :meth:`update_` then computes the next scales and rolls the histories
-    (:func:`update_amax_history_`), all on the device. The scales start at 1.0.
+    (:func:`update_amax_history_`), all on the device. The scales start unset (0):
+    until the histories hold an amax, each tensor is scaled by its current amax.
 
     Args:
         fmt (Fp8Format, optional): gives each tensor's FP8 dtype.
@@ -847,7 +853,9 @@ class Fp8LinearState:
         self.margin = margin
         #: Columns x, W, dY.
         self.history = torch.zeros(history_len, 3, dtype=torch.float32, device=device)
-        self.scale = torch.ones(3, dtype=torch.float32, device=device)
+        # 0: not yet set; the first iteration (and any before a non-empty history) scales each
+        # tensor by its current amax instead of by 1.0, which would flush small tensors.
+        self.scale = torch.zeros(3, dtype=torch.float32, device=device)
 
     def slots(self) -> dict[str, Tensor]:
         """Views of row 0 of the histories, the ``amax_*`` arguments of :func:`fp8_linear`."""

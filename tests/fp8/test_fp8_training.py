@@ -250,12 +250,26 @@ def test_delayed_scales_move_with_steps():
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", fp8=recipe("delayed"), verbosity=0)
-    assert all(torch.equal(v, torch.ones(3)) for k, v in _fp8_state().items()
+    # Unset (0) until the first update: the first iteration scales by the current amaxes.
+    assert all(torch.equal(v, torch.zeros(3)) for k, v in _fp8_state().items()
                if k.endswith(".scale"))
     step(model, opt, *batch())
     state = _fp8_state()
-    assert all((state[f"{n}.scale"] != 1).all() for n in ("0", "2", "4"))
+    assert all((state[f"{n}.scale"] > 0).all() for n in ("0", "2", "4"))
     assert all((state[f"{n}.history"][-1] > 0).all() for n in ("0", "2", "4"))
+
+
+def test_delayed_first_iteration_scales_by_the_current_amax():
+    """Before any history, the delayed recipe's first step equals the tensorwise one's."""
+    outs = {}
+    for scaling in ("tensorwise", "delayed"):
+        model = net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", fp8=recipe(scaling), verbosity=0)
+        step(model, opt, *batch())
+        outs[scaling] = [p.detach().clone() for p in model.parameters()]
+        amp.deinitialize()
+    assert all(torch.equal(a, b) for a, b in zip(outs["tensorwise"], outs["delayed"]))
 
 
 # ---------------------------------------------------------------------------------------
