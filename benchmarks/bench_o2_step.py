@@ -50,6 +50,7 @@ def fused_exit(opt, loss):
     for master in amp.master_params(opt):
         master.grad = None  # a fresh iteration after zero_grad(): the one-pass copy path
     in_place, copy, acc = [], ([], []), ([], [])
+    record.end_backward_scaled()  # the grads put there are scaled ones
     record.collect_unscale(in_place, copy, acc)
     scaler.check_loss(loss)
     scaler.unscale(in_place, copy, acc)

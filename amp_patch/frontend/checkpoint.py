@@ -378,14 +378,8 @@ def _materialize_state(opt: torch.optim.Optimizer, session) -> None:
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
     record = session.optimizer_records.get(id(opt)) if session is not None else None
-    skip = record is not None and record.skip_next_step
-    if record is not None:
-        record.skip_next_step = False
-    try:
+    with record.grads.skip_held_back() if record is not None else contextlib.nullcontext():
         _init_optim_state(opt)
-    finally:
-        if record is not None:
-            record.skip_next_step = skip
 
 
 # --------------------------------------------------------------------------- helpers

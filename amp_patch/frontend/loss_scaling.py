@@ -108,7 +108,7 @@ def scale_loss(
         )
     records = [session.record_for(opt) for opt in opt_list]
     if session.scale_loss_open:
-        # The inner block's prepare_backward would stash the outer's still scaled grads
+        # The inner block's begin_backward would stash the outer's still scaled grads
         # as if unscaled, and the sum would come out with the inner loss counted twice.
         raise RuntimeError(
             "amp_patch.scale_loss() blocks cannot be nested: the scale_loss block of an "
@@ -143,26 +143,22 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
     if check is not None:  # before anything is changed, so that a mismatch leaves all as it was
         check.at_entry(session, loss_id, delay_unscale, delay_overflow_check, fast=False)
     for record in records:
-        # Grads an earlier exit left scaled for a one-pass step: unscaled now, before this
-        # backward adds to them, as that exit would have done.
-        record.materialize_grads()
-    if not delay_unscale:
-        for record in records:
-            record.prepare_backward()
+        # Grads an earlier exit left scaled for a one-pass step are unscaled first, as that
+        # exit would have done; unscaled grads go aside (not under delay_unscale).
+        record.begin_backward(delay_unscale)
     scaler.check_loss(loss)
     try:
         yield scaler.scale_loss(loss)
     except BaseException:
-        if not delay_unscale:  # only then did prepare_backward take grads aside
-            for record in records:
-                record.abandon_backward()
+        for record in records:
+            record.abandon_backward(delay_unscale)
         _end_iteration(session)
         raise
 
     try:
         if delay_unscale:
             for record in records:
-                record.scaled_grads_pending = True
+                record.end_backward_scaled()
             return
         in_place: list[Tensor] = []
         copy: tuple[list[Tensor], list[Tensor]] = ([], [])

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from amp_patch.helpers.tensors import local_tensor
+from amp_patch.optim.amp.grad_state import GradState, GradStates
 from amp_patch.optim.amp.master_weights import MasterWeights, match_state_to_params
 from amp_patch.optim.amp.patched_methods import STEP_INPUTS, PatchedMethods
 from amp_patch.optim.amp.state_dict_hooks import install_optimizer_hooks
@@ -80,13 +81,11 @@ class OptimizerRecord:
     Attributes:
         master_weights (bool): whether half params are stepped through fp32 masters.
         masters (MasterWeights): the masters (empty without master weights).
-        skip_next_step (bool or Tensor): set by :func:`amp_patch.scale_loss`
-            (:meth:`schedule_skip`): True on an overflow read on the host, or the
-            device flag of a sync-free exit (one-element fp32, 1.0 on overflow);
-            the next ``step()`` is skipped by it, on the device where the
-            optimizer takes the flag, and clears it.
-        scaled_grads_pending (bool): a ``delay_unscale=True`` exit left scaled
-            grads in the params; the next ``scale_loss`` must not stash them.
+        grads (GradStates): which :class:`~amp_patch.optim.amp.grad_state.GradState`
+            the grads are in, moved only through it, and the skip the exits decided
+            (:meth:`schedule_skip`): an overflow read on the host, or the device flag
+            of a sync-free exit, which the next ``step()`` takes (on the device where
+            the optimizer takes the flag).
         takes_step_inputs (bool): the optimizer steps the masters through step
             inputs (``fused_step_inputs``): it writes the model params itself,
             and takes the one-pass step.
@@ -102,17 +101,18 @@ class OptimizerRecord:
         self.master_weights = bool(master_weights)
         master_dtype = master_weights if isinstance(master_weights, torch.dtype) else torch.float32
         self.masters = MasterWeights(master_dtype)
-        self.skip_next_step: bool | Tensor = False
-        self.scaled_grads_pending = False
+        self.grads = GradStates(type(optimizer).__name__)
         self.takes_step_inputs = self.master_weights and callable(
             getattr(optimizer, STEP_INPUTS, None))
         self.active = True
-        # Unscaled grads taken out of params stepped directly at scale_loss entry (id -> grad).
-        self._prior: dict[int, Tensor] = {}
-        self._deferred: _DeferredGrads | None = None
+        # The tensors of the states (GradState): in STASHED, the unscaled grads taken out of
+        # params stepped directly at entry (id -> grad); from DEFERRED until the step or the
+        # unscale, the grads left scaled for the one-pass step.
+        self._stashed: dict[int, Tensor] = {}
+        self._deferred_grads: _DeferredGrads | None = None
         self._warned_grad_write = False
         # Grads of params stepped directly that zero_grad left as zeros: id -> (grad, version).
-        self._zeroed: dict[int, tuple[Tensor, int]] = {}
+        self._zeroed_grads: dict[int, tuple[Tensor, int]] = {}
         self._methods = PatchedMethods(self, step_context)
         self._hook_handles: list[Any] = []
 
@@ -166,40 +166,40 @@ class OptimizerRecord:
             >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O1",
             ...                                   half_dtype=torch.float16, verbosity=0)
             >>> record = amp_patch.session.current().record_for(optimizer)
-            >>> record.schedule_skip(torch.ones(1))    # a device flag: the next step skips
-            >>> record.schedule_skip(torch.zeros(1))   # combined on the device
-            >>> record.skip_next_step
-            tensor([1.])
+            >>> with amp.scale_loss(loss_fn(model(x), y), optimizer) as scaled_loss:
+            ...     scaled_loss.backward()                 # the exit calls schedule_skip
+            >>> record.grads.state, record.grads.found_inf  # sync-free: the flag, unread
+            (<GradState.SKIP_ON_DEVICE: 'skip decided on device'>, tensor([0.]))
             >>> amp.deinitialize()
         """
-        pending = self.skip_next_step
-        if pending is True or overflow is False:
-            return
-        if overflow is True or pending is False:
-            self.skip_next_step = overflow
-        else:
-            self.skip_next_step = torch.maximum(pending, overflow.to(pending.device))
+        self.grads.decide(overflow, "scale_loss exit")
 
-    def prepare_backward(self) -> None:
-        """At ``scale_loss`` entry: take already-unscaled grads aside so backward starts clean.
+    def begin_backward(self, delay_unscale: bool) -> None:
+        """At ``scale_loss`` entry: the grads go to ``STASHED``, already-unscaled ones aside.
 
-        Without this, a second loss (or an accumulation step) would add scaled
-        grads onto unscaled ones. Params without masters hand their grad to a
-        stash; half params with masters drop their (already consumed) model
-        grad, the master grad staying as the accumulator. Skipped while
-        ``delay_unscale`` has left scaled grads in place. A grad that the
+        Grads an earlier exit left for the one-pass step are unscaled first
+        (:meth:`materialize_grads`). Then, unless ``delay_unscale``, unscaled
+        grads are taken aside so backward starts clean: without this, a second
+        loss (or an accumulation step) would add scaled grads onto unscaled
+        ones. Params without masters hand their grad to a stash; half params
+        with masters drop their (already consumed) model grad, the master grad
+        staying as the accumulator. Nothing is taken aside from ``SCALED``
+        (a ``delay_unscale`` exit left scaled grads in place). A grad that the
         optimizer's ``zero_grad`` zeroed and nothing wrote since stays where it
         is: backward adds onto zeros, and the exit finds a fresh grad (which
         the one-pass step can take).
         """
-        zeroed, self._zeroed = self._zeroed, {}
-        if self.scaled_grads_pending:
+        self.materialize_grads()
+        if delay_unscale:  # its exit moves the grads to SCALED
+            return
+        zeroed, self._zeroed_grads = self._zeroed_grads, {}
+        if not self.grads.enter_block(delay_unscale):
             return
         for model_p, stepped in self._pairs():
             if model_p is stepped:
                 grad = stepped.grad
                 if grad is not None and not _still_zero(zeroed.get(id(stepped)), grad):
-                    self._prior[id(stepped)] = grad
+                    self._stashed[id(stepped)] = grad
                     stepped.grad = None
             else:
                 model_p.grad = None
@@ -207,12 +207,12 @@ class OptimizerRecord:
     def note_zeroed_grads(self) -> None:
         """After the optimizer's ``zero_grad``: the grads its params stepped directly still hold
         are zeros (``set_to_none=False``); remember them, with their version counters, so that
-        :meth:`prepare_backward` need not stash them. Only for optimizers that take step inputs,
+        :meth:`begin_backward` need not stash them. Only for optimizers that take step inputs,
         whose ``zero_grad`` is torch's."""
         if not self.takes_step_inputs:
             return
-        self._zeroed = {id(p): (p.grad, p.grad._version) for model_p, p in self._pairs()
-                        if model_p is p and p.grad is not None}
+        self._zeroed_grads = {id(p): (p.grad, p.grad._version) for model_p, p in self._pairs()
+                              if model_p is p and p.grad is not None}
 
     def collect_unscale(self, in_place: list, copy: tuple[list, list],
                         accumulate: tuple[list, list]) -> None:
@@ -223,7 +223,7 @@ class OptimizerRecord:
         ``accumulate`` (``y = x / scale + y`` into the stashed grad or the
         existing master grad).
         """
-        prior = self._prior
+        prior = self._stashed
         for model_p, stepped in self._pairs():
             grad = model_p.grad
             if model_p is stepped:
@@ -246,7 +246,11 @@ class OptimizerRecord:
                     accumulate[0].append(grad)
                     accumulate[1].append(stepped.grad)
         prior.clear()
-        self.scaled_grads_pending = False
+        self.grads.move(GradState.UNSCALED, "scale_loss exit, unscaling")
+
+    def end_backward_scaled(self) -> None:
+        """At a ``delay_unscale=True`` exit: the grads stay loss-scaled in the params."""
+        self.grads.move(GradState.SCALED, "delay_unscale exit")
 
     def defer_unscale(self, scaler: "AmpScaler") -> bool:
         """At ``scale_loss`` exit: leave the fresh grads scaled for the one-pass step, if it can.
@@ -262,7 +266,7 @@ class OptimizerRecord:
         Returns:
             bool: True when deferred; False leaves them to :meth:`collect_unscale`.
         """
-        if not self.takes_step_inputs or self._prior or any(
+        if not self.takes_step_inputs or self._stashed or any(
                 m.grad is not None for _, m in self.master_pairs()):
             return False
         grads = {}
@@ -272,10 +276,10 @@ class OptimizerRecord:
         norms = scaler.check(list(grads.values()))
         # The check's norms of sharded grads are this rank's part, not the whole's.
         sharded = any(local_tensor(g) is not g for g in grads.values())
-        self._deferred = _DeferredGrads(grads, {dev: scaler.snapshot(dev) for dev in norms},
-                                        None if sharded else norms,
-                                        [(g, g._version) for g in grads.values()])
-        self.scaled_grads_pending = False
+        self._deferred_grads = _DeferredGrads(
+            grads, {dev: scaler.snapshot(dev) for dev in norms}, None if sharded else norms,
+            [(g, g._version) for g in grads.values()])
+        self.grads.move(GradState.DEFERRED, "scale_loss exit, for the one-pass step")
         return True
 
     def materialize_grads(self) -> None:
@@ -286,9 +290,11 @@ class OptimizerRecord:
         (clipping) and the next ``scale_loss`` entry (accumulating). Nothing to do otherwise.
         The overflow was decided at the exit: these passes raise a flag of their own.
         """
-        deferred, self._deferred = self._deferred, None
+        deferred, self._deferred_grads = self._deferred_grads, None
         if deferred is None:
             return
+        if self.grads.state is GradState.DEFERRED:  # after the exit's verdict, the state stays
+            self.grads.move(GradState.UNSCALED, "master_params() or the next entry unscales")
         in_place: list[Tensor] = []
         copy: tuple[list[Tensor], list[Tensor]] = ([], [])
         for model_p, stepped in self._pairs():
@@ -305,7 +311,7 @@ class OptimizerRecord:
 
     def drop_deferred(self) -> None:
         """Forget deferred grads whose step was skipped (an overflow)."""
-        self._deferred = None
+        self._deferred_grads = None
 
     def step_inputs(self) -> FusedStepInputs | None:
         """What ``step()`` of an optimizer that takes step inputs reads, and writes besides params.
@@ -317,7 +323,7 @@ class OptimizerRecord:
         if not self.takes_step_inputs:
             return None
         model_params = {master: model_p for model_p, master in self.master_pairs()}
-        deferred, self._deferred = self._deferred, None
+        deferred, self._deferred_grads = self._deferred_grads, None
         if deferred is None:
             return FusedStepInputs(model_params=model_params)
         self._warn_if_grads_written(deferred)
@@ -336,23 +342,31 @@ class OptimizerRecord:
             "scale); to clip, clip amp.master_params(optimizer), which holds the unscaled fp32 "
             "grads.", type(self.optimizer).__name__)
 
-    def abandon_backward(self) -> None:
-        """An exception left ``scale_loss`` after :meth:`prepare_backward`: drop the partial,
-        still scaled grads and put the stashed unscaled ones back (None where there were none),
-        so that the next iteration never mistakes scaled grads for unscaled ones."""
+    def abandon_backward(self, delay_unscale: bool) -> None:
+        """An exception left ``scale_loss`` after :meth:`begin_backward`.
+
+        Under ``delay_unscale`` nothing was taken aside: the grads go back to
+        the state they had. Else the partial, still scaled grads are dropped
+        and the stashed unscaled ones put back (None where there were none), so
+        that the next iteration never mistakes scaled grads for unscaled ones.
+        """
+        if delay_unscale:  # its entry moved nothing
+            return
         for model_p, stepped in self._pairs():
-            old = self._prior.pop(id(stepped), None)
+            old = self._stashed.pop(id(stepped), None)
             if model_p is stepped:
                 stepped.grad = old
             else:
                 model_p.grad = None
-        self._prior.clear()
+        self._stashed.clear()
+        self.grads.leave_block()
 
     def forget_stashed_grads(self) -> None:
-        """Drop the grads :meth:`prepare_backward` took aside (``zero_grad`` inside the block),
-        and any deferred ones."""
-        self._prior.clear()
-        self._deferred = None
+        """``zero_grad()``: drop the grads :meth:`begin_backward` took aside (inside the block),
+        and any deferred ones (:meth:`GradStates.zeroed` makes the move)."""
+        self._stashed.clear()
+        self._deferred_grads = None
+        self.grads.zeroed()
 
     def nonfinite_grad_names(self, names: dict[int, str]) -> list[str]:
         """Names of params whose (model) grads hold inf/NaN; syncs, for error messages only."""
@@ -415,8 +429,9 @@ class OptimizerRecord:
             handle.remove()
         self._hook_handles.clear()
         self._methods.restore()
-        self._prior.clear()
-        self._deferred = None
+        self._stashed.clear()
+        self._deferred_grads = None
+        self.grads.reset()
 
 
 def _still_zero(zeroed: tuple[Tensor, int] | None, grad: Tensor) -> bool:

@@ -34,6 +34,7 @@ from amp_patch.optim.amp.master_weights import clear_grads
 from amp_patch.optim.fused import FusedStepInputs
 
 if TYPE_CHECKING:
+    from amp_patch.optim.amp.grad_state import GradStates
     from amp_patch.optim.amp.master_weights import MasterWeights
 
 __all__ = ["PatchedMethods", "StepRecord", "STEP_INPUTS", "takes_found_inf", "host_reads_per_step"]
@@ -60,7 +61,7 @@ class StepRecord(Protocol):
     active: bool
     masters: MasterWeights
     master_weights: bool
-    skip_next_step: bool | Tensor
+    grads: GradStates
 
     @property
     def optimizer(self) -> torch.optim.Optimizer: ...
@@ -149,7 +150,7 @@ class PatchedMethods:
         opt = record.optimizer
         masters = record.masters
         masters.sync_from_model(record.stepped_params())
-        skip, record.skip_next_step = record.skip_next_step, False
+        skip = record.grads.take_skip("optimizer.step()")
         found_inf = None
         if isinstance(skip, Tensor):
             if takes_found_inf(opt):

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from torch import Tensor
 
+from amp_patch.optim.amp.grad_state import GradState, GradStates
 from amp_patch.optim.amp.master_weights import MasterWeights
 from amp_patch.settings.dtypes import HALF_DTYPES
 
@@ -52,10 +53,7 @@ class StashRecord(Protocol):
     def masters(self) -> MasterWeights: ...
 
     @property
-    def skip_next_step(self) -> bool | Tensor: ...
-
-    @property
-    def scaled_grads_pending(self) -> bool | Tensor: ...
+    def grads(self) -> GradStates: ...
 
     @property
     def optimizer(self) -> Any: ...
@@ -123,11 +121,11 @@ class AmpStash:
     # bool() of a flag kept on the device reads it on the host: only when someone asks.
     @property
     def already_patched(self) -> bool:
-        return self._record is not None and bool(self._record.skip_next_step)
+        return self._record is not None and self._record.grads.skip_pending
 
     @property
     def params_have_scaled_gradients(self) -> bool:
-        return self._record is not None and bool(self._record.scaled_grads_pending)
+        return self._record is not None and self._record.grads.state is GradState.SCALED
 
     # ------------------------------------------------------------------ param lists
 
