@@ -234,8 +234,8 @@ def report(results: dict[str, Any], summary: dict[str, Any], recipes: tuple[str,
         "a row's final losses over the seeds. Cosine: each converted layer's weight "
         "gradient with FP8 on against FP8 off, same model and batch, at steps "
         f"{', '.join(map(str, probe_steps(results['steps'])))} of every FP8 run (step 0 "
-        "apart: there the delayed recipe has no amax history yet and casts with scales of "
-        "1.0); the "
+        "apart: there the delayed recipe has no amax history yet and scales each tensor by "
+        "its current amax, as tensorwise does); the "
         "logits' error is max |z_fp8 - z| / max |z| on the same probes. ms/step: the "
         "wall time of a training step on this CPU, which has no FP8 units and was shared "
         "with other work: no speed comparison, and no target.",
