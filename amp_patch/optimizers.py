@@ -10,24 +10,7 @@ Example:
     0.001
 """
 
-from amp_patch.optim.fused import (
-    FusedAdagrad,
-    FusedAdam,
-    FusedLAMB,
-    FusedMixedPrecisionLamb,
-    FusedNovoGrad,
-    FusedOptimizer,
-    FusedSGD,
-    FusedStepInputs,
-)
+from amp_patch.optim import fused as _fused
+from amp_patch.optim.fused import *  # noqa: F403  (the names of its __all__)
 
-__all__ = [
-    "FusedAdam",
-    "FusedLAMB",
-    "FusedMixedPrecisionLamb",
-    "FusedSGD",
-    "FusedNovoGrad",
-    "FusedAdagrad",
-    "FusedStepInputs",
-    "FusedOptimizer",
-]
+__all__ = list(_fused.__all__)
