@@ -20,6 +20,15 @@ from amp_patch.optim.fused import FusedAdagrad, FusedAdam, FusedLAMB, FusedMixed
 from amp_patch.optim.fused import FusedNovoGrad, FusedSGD
 
 DATA = Path(__file__).with_name("data") / "fused_state_dicts.pt"
+#: The CPU kernels the data was written with (torch.backends.cpu.get_cpu_capability()).
+WRITTEN_WITH = "AVX512"
+#: Cases whose steps reduce (LAMB's norms): the vector width of the running kernels sets the
+#: summation order, so under other kernels their values agree to rounding, not to the bit.
+REDUCING = {"lamb_bf16", "lamb_mixed"}
+
+
+def _exact(name: str) -> bool:
+    return name not in REDUCING or torch.backends.cpu.get_cpu_capability() == WRITTEN_WITH
 
 
 def _params(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -68,18 +77,25 @@ def run(name: str, steps: int = 3) -> tuple[list[torch.Tensor], Any]:
     return params, opt
 
 
-def _same(a: Any, b: Any, where: str) -> None:
+def _same(a: Any, b: Any, where: str, exact: bool = True) -> None:
     if isinstance(a, dict):
         assert isinstance(b, dict) and list(a) == list(b), (where, list(a), list(b))
         for key in a:
-            _same(a[key], b[key], f"{where}.{key}")
+            _same(a[key], b[key], f"{where}.{key}", exact)
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
+            _same(x, y, f"{where}[{i}]", exact)
     elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
         assert (a.dtype, a.shape) == (b.dtype, b.shape), (where, a.dtype, b.dtype)
+        if not exact and a.is_floating_point():
+            # A few roundings of bf16 apart (see REDUCING): both such cases keep bf16 state or
+            # params, and a state element rounded the other way moves the fp32 values with it.
+            eps = torch.finfo(torch.bfloat16).eps
+            torch.testing.assert_close(a.float(), b.float(), rtol=4 * eps, atol=4 * eps,
+                                       msg=f"{where} differs")
+            return
         assert torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8)
                            if b.dim() else b), f"{where} differs"
     else:
@@ -95,8 +111,8 @@ def saved() -> dict[str, Any]:
 def test_state_dict_is_as_saved(name, saved):
     """The same steps give the same state dict: keys, dtypes and every bit."""
     params, opt = run(name)
-    _same(opt.state_dict(), saved[name]["state_dict"], name)
-    _same([p.detach() for p in params], saved[name]["params"], f"{name} params")
+    _same(opt.state_dict(), saved[name]["state_dict"], name, _exact(name))
+    _same([p.detach() for p in params], saved[name]["params"], f"{name} params", _exact(name))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -109,8 +125,9 @@ def test_saved_state_dict_loads_and_steps_on(name, saved):
     fresh.load_state_dict(saved[name]["state_dict"])
     _grads(loaded, 3)
     fresh.step()
-    _same(fresh.state_dict(), opt.state_dict(), name)
-    _same([p.detach() for p in loaded], [p.detach() for p in params], f"{name} params")
+    _same(fresh.state_dict(), opt.state_dict(), name, _exact(name))
+    _same([p.detach() for p in loaded], [p.detach() for p in params], f"{name} params",
+          _exact(name))
 
 
 if __name__ == "__main__":
