@@ -43,6 +43,9 @@ enum Policy : int {
   kBanned = 4,
   kInPlaceFp32 = 5,
   kInPlace = 6,
+  // kPromote for an op whose own type promotion computes what the cast to the
+  // widest would (lists.NATIVE_PROMOTION): see promotes_natively.
+  kNativePromote = 7,
 };
 
 // One bit per dtype that O1 casts from or to.
@@ -230,6 +233,35 @@ PyObject* cached_cast(CastWrapper* self, PyObject* obj, unsigned bit) {
   END_HANDLE_TH_ERRORS
 }
 
+// Whether torch's own type promotion gives the op exactly what casting to the
+// widest dtype would: two plain tensors, both fp32, fp16 or bf16, and both
+// 0-dim or neither (a 0-dim tensor does not promote a dimensioned one). The
+// elementwise ops widen each element exactly, so the values are the same, and
+// on the grads' way back autograd narrows as the cast's backward would.
+bool promotes_natively(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  const Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
+  int tensors = 0;
+  bool zero_dim[2] = {false, false};
+  for (Py_ssize_t i = 0; i < total; ++i) {
+    if (i >= nargs && is_out(kwnames, i - nargs)) {
+      continue;
+    }
+    PyObject* obj = args[i];
+    if (!THPVariable_CheckTypeExact(Py_TYPE(obj))) {
+      if (is_plain_scalar(Py_TYPE(obj))) {
+        continue;
+      }
+      return false;  // a container or another object: as the Python wrapper, cast
+    }
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (tensors == 2 || dtype_bit(t.scalar_type()) == 0) {
+      return false;
+    }
+    zero_dim[tensors++] = t.dim() == 0;
+  }
+  return tensors == 2 && zero_dim[0] == zero_dim[1];
+}
+
 PyObject* call_fallback(CastWrapper* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
 }
@@ -315,7 +347,8 @@ PyObject* wrapper_call(PyObject* self_, PyObject* const* args, size_t nargsf, Py
       return call_cast(self, args, nargsf, kwnames, 0, from, self->target_bit,
                        self->policy == kHalf);
     }
-    case kPromote: {
+    case kPromote:
+    case kNativePromote: {
       const Scan scan = scan_args(args, nargs, kwnames, 0);
       const unsigned seen = scan.top | scan.nested;
       if (scan.python) {
@@ -327,6 +360,9 @@ PyObject* wrapper_call(PyObject* self_, PyObject* const* args, size_t nargsf, Py
       }
       if (scan.nested) {
         return call_fallback(self, args, nargsf, kwnames);
+      }
+      if (self->policy == kNativePromote && promotes_natively(args, nargs, kwnames)) {
+        break;
       }
       // Two or more of fp32, fp16, bf16: the widest is fp32 (fp16 with bf16 included).
       return call_cast(self, args, nargsf, kwnames, 0, kHalves, kBitF32, false);
@@ -451,8 +487,8 @@ PyObject* wrapper_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_TypeError, "CastWrapper: original and fallback must be callable");
     return nullptr;
   }
-  if (policy < kHalf || policy > kInPlace) {
-    PyErr_Format(PyExc_ValueError, "CastWrapper: policy must be 0..6, got %d", policy);
+  if (policy < kHalf || policy > kNativePromote) {
+    PyErr_Format(PyExc_ValueError, "CastWrapper: policy must be 0..7, got %d", policy);
     return nullptr;
   }
   unsigned target_bit = 0;
@@ -532,7 +568,8 @@ int add_types(PyObject* module) {
   CastWrapperType.tp_doc =
       "CastWrapper(original, fallback, state, cache, policy, target)\n\n"
       "An O1 casting wrapper: casts the arguments of `original` by `policy` (the index\n"
-      "of amp_patch.patching.wrappers.Policy) and calls it; hands anything it does not\n"
+      "of amp_patch.patching.wrappers.Policy, or 7: PROMOTE left to torch's own type\n"
+      "promotion where it is exact) and calls it; hands anything it does not\n"
       "handle itself to the Python wrapper `fallback`, which implements the same policy.";
   CastWrapperType.tp_basicsize = sizeof(CastWrapper);
   CastWrapperType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |

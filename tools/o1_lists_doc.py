@@ -26,7 +26,11 @@ _SECTIONS = (
      "(fp32 parameters through the weight cache)."),
     ("fp32", "Run in fp32", "Floating args are cast to fp32; the output stays fp32."),
     ("promote", "Promote", "When the floating args mix dtypes, all are cast to the widest "
-     "(fp32; fp16 with bf16 gives fp32)."),
+     "(fp32; fp16 with bf16 gives fp32). The elementwise ops among them ("
+     + ", ".join(f"`{op}`" for op in sorted(lists.NATIVE_PROMOTION)) + ") get the same values "
+     "and grads from torch's own type promotion when their two tensors are both 0-dim or "
+     "neither, so O1 calls them uncast then: no cast op and no autograd node for it "
+     "(`lists.NATIVE_PROMOTION`)."),
     ("sequence_promote", "Sequence promote", "The same over the tensors of the first argument."),
     ("banned", "Banned on half inputs", "Raise `NotImplementedError` on a half argument "
      "(`allow_banned=True` runs them in fp32)."),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from amp_patch.patching import rnn
+from amp_patch.patching import lists, rnn
 from amp_patch.patching.dynamo import RULES as _DYNAMO_RULES
 from amp_patch.patching.op_spellings import Spelling, spellings
 from amp_patch.patching.patcher import Patcher
@@ -98,8 +98,8 @@ def install(half_dtype: torch.dtype, models: list[nn.Module], on_close: Callable
 
     on_close("O1 cache hooks", remove_hooks)
 
-    def wrap(policy: Policy, qualname: str, message: str | None):
-        return lambda original: make_wrapper(policy, original, state, qualname, message)
+    def wrap(policy: Policy, qualname: str, message: str | None, native: bool = False):
+        return lambda original: make_wrapper(policy, original, state, qualname, message, native)
 
     # A user registration decides alone for the attribute it names: a list
     # wrapper around it would cast first (a half round trip under an fp32
@@ -108,7 +108,8 @@ def install(half_dtype: torch.dtype, models: list[nn.Module], on_close: Callable
     for spelling in spellings():
         if (id(spelling.target), spelling.name) not in registered:
             patcher.patch(spelling.target, spelling.name,
-                          wrap(spelling.policy, spelling.qualname, spelling.message))
+                          wrap(spelling.policy, spelling.qualname, spelling.message,
+                               spelling.op in lists.NATIVE_PROMOTION))
     rnn.allow_half_inputs(patcher, state)
     for entry in REGISTRY.consume():
         owner = getattr(entry.target, "__name__", type(entry.target).__name__)

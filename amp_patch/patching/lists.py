@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 
 __all__ = [
     "OpLists", "APEX", "AUTOCAST_CUDA", "AUTOCAST_TORCH_VERSION", "O1", "VF_OPS",
-    "OPERATOR_NAMES", "BCE_MESSAGE", "union",
+    "OPERATOR_NAMES", "NATIVE_PROMOTION", "BCE_MESSAGE", "union",
 ]
 
 
@@ -166,6 +166,13 @@ AUTOCAST_CUDA = OpLists(
 
 #: Every op O1 casts, by policy.
 O1 = union(APEX, AUTOCAST_CUDA)
+
+#: The promote ops whose own type promotion computes what O1's cast to the widest dtype would,
+#: when the two tensors are both 0-dim or neither: elementwise ops that widen each element
+#: exactly and compute in the wider dtype, and whose backward autograd narrows to each input's
+#: dtype as the cast's backward would. O1 calls them uncast then: the same values and grads,
+#: without a cast and its autograd node (docs/o1_lists.md, "Promote").
+NATIVE_PROMOTION = frozenset({"add", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge"})
 
 #: Python's operator names where they differ from the op's (``a / b`` is ``div``).
 #: Each also gives the reflected and in-place forms (``__rtruediv__``, ``__itruediv__``).

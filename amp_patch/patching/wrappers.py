@@ -39,7 +39,7 @@ import torch
 from amp_patch import ops as _ops
 from amp_patch.settings.dtypes import CASTABLE_DTYPES, HALF_DTYPES
 
-__all__ = ["Policy", "make_wrapper", "apply_policy", "native_available"]
+__all__ = ["Policy", "make_wrapper", "apply_policy", "native_available", "promotes_natively"]
 
 _Tensor = torch.Tensor
 _FP32 = torch.float32
@@ -64,6 +64,8 @@ class Policy(enum.Enum):
 
 #: The policy codes of ``amp_patch._C.CastWrapper`` (the order of its ``Policy`` enum).
 _NATIVE_POLICY = {p: i for i, p in enumerate(Policy)}
+#: The C wrapper's code for ``PROMOTE`` with native promotion (:func:`promotes_natively`).
+_NATIVE_PROMOTE = len(_NATIVE_POLICY)
 _compiling = torch.compiler.is_compiling
 
 
@@ -231,6 +233,37 @@ def _cast_args(args: tuple, kwargs: dict, dtype: torch.dtype, cache) -> tuple[tu
     return args, kwargs
 
 
+def promotes_natively(args: tuple, kwargs: dict) -> bool:
+    """Whether torch's own type promotion gives an op of
+    :data:`~amp_patch.patching.lists.NATIVE_PROMOTION` what casting to the widest dtype would.
+
+    True for exactly two tensors, both fp32, fp16 or bf16 and both 0-dim or
+    neither (a 0-dim tensor does not promote a dimensioned one), with nothing
+    nested: the op then widens each element exactly and computes in the wider
+    dtype, and autograd narrows each grad to its input's dtype, as the cast's
+    backward would. The C wrapper applies the same rule (``csrc/o1_wrappers.cpp``).
+
+    Args:
+        args (tuple): the op's positional arguments.
+        kwargs (dict): its keyword arguments (``out=`` is not an input).
+
+    Example::
+
+        >>> a, b = torch.ones(2), torch.ones(2, dtype=torch.bfloat16)
+        >>> promotes_natively((a, b), {}), promotes_natively((a, b[0]), {})
+        (True, False)
+    """
+    tensors = []
+    for a in (*args, *_inputs(kwargs)) if kwargs else args:
+        if isinstance(a, _Tensor):
+            if a.dtype not in CASTABLE_DTYPES:
+                return False
+            tensors.append(a)
+        elif isinstance(a, (*_SEQUENCES, dict)):
+            return False
+    return len(tensors) == 2 and (tensors[0].dim() == 0) == (tensors[1].dim() == 0)
+
+
 def _widest(dtypes: set) -> torch.dtype:
     # fp16 and bf16 together have no common half type: torch promotes them to fp32.
     return _FP32 if len(dtypes) > 1 else next(iter(dtypes))
@@ -306,7 +339,7 @@ def apply_policy(policy: Policy, fn: Callable, state, name: str, args: tuple,
 
 
 def _python_wrapper(policy: Policy, original: Callable, state, name: str,
-                    message: str | None) -> Callable:
+                    message: str | None, native_promotion: bool = False) -> Callable:
     """The whole policy in Python: the fallback of the C wrapper, and the wrapper without it."""
     if policy is Policy.HALF or policy is Policy.FP32:
         target = state.half_dtype if policy is Policy.HALF else _FP32
@@ -339,7 +372,8 @@ def _python_wrapper(policy: Policy, original: Callable, state, name: str,
                 first = _promote_scan(args, None)
                 if kwargs and first is not _MIXED:
                     first = _promote_scan(_inputs(kwargs), first)
-                if first is _MIXED:
+                if first is _MIXED and not (native_promotion
+                                            and promotes_natively(args, kwargs)):
                     return apply_policy(policy, original, state, name, args, kwargs, message)
             return original(*args, **kwargs)
     elif policy is Policy.SEQUENCE_PROMOTE:
@@ -371,7 +405,7 @@ def _describe(wrapper: Any, original: Callable, policy: Policy) -> None:
 
 
 def make_wrapper(policy: Policy, original: Callable, state, name: str,
-                 message: str | None = None) -> Callable:
+                 message: str | None = None, native_promotion: bool = False) -> Callable:
     """A function that applies ``policy`` around ``original``, reading ``state`` on every call.
 
     With the compiled extension this is an ``amp_patch._C.CastWrapper``
@@ -384,6 +418,9 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
         state (CastState): read on every call (``enabled``, ``half_dtype``, ``cache``).
         name (str): the op's qualified name, for error messages.
         message (str, optional): the error text of a banned op.
+        native_promotion (bool, optional): a ``PROMOTE`` op of
+            :data:`~amp_patch.patching.lists.NATIVE_PROMOTION`: called uncast
+            where :func:`promotes_natively`. Default: False.
 
     Returns:
         callable: the wrapper, carrying ``original`` as ``__wrapped__``.
@@ -396,12 +433,14 @@ def make_wrapper(policy: Policy, original: Callable, state, name: str,
         >>> wrapper(torch.ones(2, dtype=torch.bfloat16)).dtype
         torch.float32
     """
-    fallback = _python_wrapper(policy, original, state, name, message)
+    native_promotion = native_promotion and policy is Policy.PROMOTE
+    fallback = _python_wrapper(policy, original, state, name, message, native_promotion)
     if not _use_native or _CastWrapper is None:
         return fallback
     target = (state.half_dtype if policy is Policy.HALF
               else _FP32 if policy is Policy.FP32 else None)
-    wrapper = _CastWrapper(original, fallback, state, state.cache, _NATIVE_POLICY[policy], target)
+    code = _NATIVE_PROMOTE if native_promotion else _NATIVE_POLICY[policy]
+    wrapper = _CastWrapper(original, fallback, state, state.cache, code, target)
     _describe(wrapper, original, policy)
     # Dynamo cannot trace into C: this (the protocol of torch.jit.script_if_tracing)
     # makes it trace the Python wrapper, which lowers to plain casts under compile.
