@@ -15,10 +15,11 @@
 //     and sequence promotion with mixed dtypes.
 //
 // The weight cache stays a Python object (amp_patch/patching/cache.py): on a
-// hit this reads its entry, on a miss it calls WeightCastCache._make, so the
-// entries and counters are the same whichever path made them. The entry layout
-// it reads is cache._Entry: (cast, version, data_ptr, made_with_grad), keyed by
-// (id(param), dtype).
+// hit this reads its entry; on a miss of a param it has seen before it makes
+// the cast and writes the entry and counters as WeightCastCache._make would,
+// and otherwise calls _make, so the entries and counters are the same whichever
+// path made them. The entry layout is cache._Entry (WeightCastCache.ENTRY):
+// (cast, version, data_ptr, made_with_grad), keyed by (id(param), dtype).
 #include "o1_wrappers.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -77,6 +78,12 @@ PyObject* s_entries = nullptr;
 PyObject* s_make = nullptr;
 PyObject* s_out = nullptr;
 PyObject* s_tensors = nullptr;
+PyObject* s_refs = nullptr;
+PyObject* s_entry_type = nullptr;
+PyObject* s_casts = nullptr;
+PyObject* s_digest = nullptr;
+PyObject* s_digest_multiplier = nullptr;
+PyObject* s_digest_mod = nullptr;
 // torch.float32, torch.float16, torch.bfloat16, indexed by the bit's position.
 PyObject* g_dtype_objects[3] = {nullptr, nullptr, nullptr};
 
@@ -196,6 +203,85 @@ PyObject* plain_cast(PyObject* obj, unsigned bit) {
   END_HANDLE_TH_ERRORS
 }
 
+// WeightCastCache._make's common case, in C: the cache enabled and the param
+// seen before (its weak reference made by an earlier miss, in Python). Makes
+// the cast and writes the same entry (a cache._Entry) and counters as _make.
+// Returns a new reference to the cast; nullptr with no error set leaves the
+// miss to _make.
+PyObject* make_entry(CastWrapper* self, PyObject* obj, unsigned bit, PyObject* id, PyObject* key,
+                     PyObject* entries) {
+  PyObject* enabled = PyObject_GetAttr(self->cache, s_enabled);
+  if (enabled == nullptr) {
+    return nullptr;
+  }
+  const int on = PyObject_IsTrue(enabled);
+  Py_DECREF(enabled);
+  PyObject* refs = on > 0 ? PyObject_GetAttr(self->cache, s_refs) : nullptr;
+  if (refs == nullptr) {
+    return nullptr;
+  }
+  const int known = PyDict_Check(refs) ? PyDict_Contains(refs, id) : 0;
+  Py_DECREF(refs);
+  PyObject* entry_type = known > 0 ? PyObject_GetAttr(self->cache, s_entry_type) : nullptr;
+  if (entry_type == nullptr) {
+    return nullptr;
+  }
+  PyObject* cast = PyType_Check(entry_type) ? plain_cast(obj, bit) : nullptr;
+  PyObject* entry = nullptr;
+  if (cast != nullptr) {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    PyObject* values = Py_BuildValue("(OLNO)", cast, static_cast<long long>(t._version()),
+                                     PyLong_FromVoidPtr(t.data_ptr()),
+                                     at::GradMode::is_enabled() ? Py_True : Py_False);
+    // tuple.__new__(_Entry, values): the named tuple without its Python __new__.
+    PyObject* new_args = values ? PyTuple_Pack(1, values) : nullptr;
+    entry = new_args ? PyTuple_Type.tp_new(reinterpret_cast<PyTypeObject*>(entry_type), new_args,
+                                           nullptr)
+                     : nullptr;
+    Py_XDECREF(new_args);
+    Py_XDECREF(values);
+  }
+  Py_DECREF(entry_type);
+  bool ok = entry != nullptr && PyDict_SetItem(entries, key, entry) == 0;
+  Py_XDECREF(entry);
+  // casts += 1; digest = (digest * DIGEST_MULTIPLIER + numel + 1) % DIGEST_MOD, as _make.
+  PyObject* casts = ok ? PyObject_GetAttr(self->cache, s_casts) : nullptr;
+  PyObject* digest = ok && casts ? PyObject_GetAttr(self->cache, s_digest) : nullptr;
+  PyObject* mult = digest ? PyObject_GetAttr(self->cache, s_digest_multiplier) : nullptr;
+  PyObject* mod = mult ? PyObject_GetAttr(self->cache, s_digest_mod) : nullptr;
+  ok = mod != nullptr;
+  if (ok) {
+    const long long c = PyLong_AsLongLong(casts);
+    const long long d = PyLong_AsLongLong(digest);
+    const long long k = PyLong_AsLongLong(mult);
+    const long long q = PyLong_AsLongLong(mod);
+    const long long n = THPVariable_Unpack(obj).numel();
+    ok = !PyErr_Occurred() && q > 0;
+    if (ok) {
+      const auto next = static_cast<long long>(
+          (static_cast<__int128>(d) * k + n + 1) % static_cast<__int128>(q));
+      PyObject* c1 = PyLong_FromLongLong(c + 1);
+      PyObject* d1 = PyLong_FromLongLong(next);
+      ok = c1 && d1 && PyObject_SetAttr(self->cache, s_casts, c1) == 0 &&
+          PyObject_SetAttr(self->cache, s_digest, d1) == 0;
+      Py_XDECREF(c1);
+      Py_XDECREF(d1);
+    }
+  }
+  Py_XDECREF(casts);
+  Py_XDECREF(digest);
+  Py_XDECREF(mult);
+  Py_XDECREF(mod);
+  if (!ok) {
+    Py_XDECREF(cast);
+    if (!PyErr_Occurred()) {
+      PyErr_SetString(PyExc_RuntimeError, "amp_patch O1: the weight cache's layout changed");
+    }
+    return nullptr;
+  }
+  return cast;
+}
+
 // WeightCastCache.lookup(param, dtype), reading the Python cache's entries.
 PyObject* cached_cast(CastWrapper* self, PyObject* obj, unsigned bit) {
   HANDLE_TH_ERRORS
@@ -207,28 +293,27 @@ PyObject* cached_cast(CastWrapper* self, PyObject* obj, unsigned bit) {
   PyObject* result = nullptr;
   PyObject* id = PyLong_FromVoidPtr(obj);
   PyObject* key = id ? PyTuple_Pack(2, id, dtype) : nullptr;
-  Py_XDECREF(id);
   PyObject* entry = key && PyDict_Check(entries) ? PyDict_GetItemWithError(entries, key) : nullptr;
-  Py_XDECREF(key);
   if (entry != nullptr && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) >= 4) {
     const at::Tensor& t = THPVariable_Unpack(obj);
     const long long version = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, 1));
     void* ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 2));
     const int with_grad = PyObject_IsTrue(PyTuple_GET_ITEM(entry, 3));
-    if (PyErr_Occurred()) {
-      Py_DECREF(entries);
-      return nullptr;
-    }
-    if (version == t._version() && ptr == t.data_ptr() &&
+    if (!PyErr_Occurred() && version == t._version() && ptr == t.data_ptr() &&
         (with_grad || !at::GradMode::is_enabled())) {
       result = PyTuple_GET_ITEM(entry, 0);
       Py_INCREF(result);
     }
   }
-  Py_DECREF(entries);
+  if (result == nullptr && key != nullptr && !PyErr_Occurred() && PyDict_Check(entries)) {
+    result = make_entry(self, obj, bit, id, key, entries);
+  }
   if (result == nullptr && !PyErr_Occurred()) {
     result = PyObject_CallMethodObjArgs(self->cache, s_make, obj, dtype, nullptr);
   }
+  Py_XDECREF(key);
+  Py_XDECREF(id);
+  Py_DECREF(entries);
   return result;
   END_HANDLE_TH_ERRORS
 }
@@ -561,6 +646,9 @@ int load_dtypes() {
 int add_types(PyObject* module) {
   if (intern(&s_enabled, "enabled") || intern(&s_entries, "_entries") ||
       intern(&s_make, "_make") || intern(&s_out, "out") || intern(&s_tensors, "tensors") ||
+      intern(&s_refs, "_refs") || intern(&s_entry_type, "ENTRY") || intern(&s_casts, "casts") ||
+      intern(&s_digest, "digest") || intern(&s_digest_multiplier, "DIGEST_MULTIPLIER") ||
+      intern(&s_digest_mod, "DIGEST_MOD") ||
       load_dtypes()) {
     return -1;
   }

@@ -11,8 +11,6 @@ from amp_patch.settings.dtypes import HALF_DTYPES
 
 __all__ = ["WeightCastCache", "cacheable"]
 
-#: Keeps :attr:`WeightCastCache.digest` exact in a float64.
-_DIGEST_MOD = (1 << 47) - 115
 #: The dtypes an fp32 parameter is cast to (the keys' second half).
 _TARGETS = tuple(HALF_DTYPES)
 #: TensorBase's own conversions: the same ``aten::_to_copy`` (and autograd edge) as
@@ -83,6 +81,13 @@ class WeightCastCache:
         True
     """
 
+    #: The entries' type (the C wrapper makes entries of it too).
+    ENTRY = _Entry
+    #: :attr:`digest`'s rule: ``digest * DIGEST_MULTIPLIER + numel + 1``, modulo ``DIGEST_MOD``
+    #: (which keeps it exact in a float64, and the product within 128 bits in the C wrapper).
+    DIGEST_MULTIPLIER = 1_000_003
+    DIGEST_MOD = (1 << 47) - 115
+
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.casts = 0
@@ -123,7 +128,7 @@ class WeightCastCache:
         if not self.enabled:
             return cast
         self.casts += 1
-        self.digest = (self.digest * 1_000_003 + param.numel() + 1) % _DIGEST_MOD
+        self.digest = (self.digest * self.DIGEST_MULTIPLIER + param.numel() + 1) % self.DIGEST_MOD
         pid = id(param)
         if pid not in self._refs:
             self._refs[pid] = weakref.ref(param, self._forget_callback(pid))
