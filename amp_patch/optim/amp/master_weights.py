@@ -54,6 +54,8 @@ class MasterWeights:
         self._grad_buffers: dict[int, Tensor] = {}
         # id(model param) -> its version counter right after amp last wrote it.
         self._written_version: dict[int, int] = {}
+        #: Moves whenever a master is made or forgotten (the pairs of a record are kept until then).
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._model_of)
@@ -85,6 +87,7 @@ class MasterWeights:
                 master.grad = p.grad.detach().to(self.dtype)
             self._model_of[id(master)] = p
             self._master_of[id(p)] = master
+            self.version += 1
             self._written_version[id(p)] = p._version
             params[i] = master
             if p in state:
@@ -176,7 +179,11 @@ class MasterWeights:
         unchanged version counter costs no comparison (on CUDA, ``torch.equal``
         is a host sync).
         """
-        for model_p, master in self.pairs(stepped):
+        self.sync_pairs(self.pairs(stepped))
+
+    def sync_pairs(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
+        """:meth:`sync_from_model` over ``(model param, master)`` pairs already found."""
+        for model_p, master in pairs:
             self._refresh(model_p, master)
 
     def current_master(self, param: Tensor) -> Tensor | None:
@@ -229,6 +236,7 @@ class MasterWeights:
         self._master_of.clear()
         self._grad_buffers.clear()
         self._written_version.clear()
+        self.version += 1
 
 
 def _saved_master_of(value: Any, param: Tensor, dtype: torch.dtype) -> TypeGuard[Tensor]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 import torch
 from torch import Tensor
 
-from amp_patch.helpers.tensors import local_tensor
+from amp_patch.helpers.tensors import local_tensor, local_tensors
 from amp_patch.optim.amp.grad_state import GradState, GradStates
 from amp_patch.optim.amp.master_weights import MasterWeights, match_state_to_params
 from amp_patch.optim.amp.patched_methods import STEP_INPUTS, PatchedMethods
@@ -113,6 +113,10 @@ class OptimizerRecord:
         self._warned_grad_write = False
         # Grads of params stepped directly that zero_grad left as zeros: id -> (grad, version).
         self._zeroed_grads: dict[int, tuple[Tensor, int]] = {}
+        # _pairs()'s lists, and what they were made from.
+        self._pairs_key: tuple = ()
+        self._pairs_kept: list[tuple[Tensor, Tensor]] = []
+        self._master_pairs_kept: list[tuple[Tensor, Tensor]] = []
         self._methods = PatchedMethods(self, step_context)
         self._hook_handles: list[Any] = []
 
@@ -140,17 +144,33 @@ class OptimizerRecord:
         return self.masters.model_param(stepped)
 
     def master_pairs(self) -> list[tuple[Tensor, Tensor]]:
-        """``(model param, fp32 master)`` for each master, in ``param_groups`` order."""
-        return self.masters.pairs(self.stepped_params())
+        """``(model param, fp32 master)`` for each master, in ``param_groups`` order (a list kept
+        between calls: read it, do not change it)."""
+        self._pairs()
+        return self._master_pairs_kept
 
     def sync_masters_from_model(self) -> None:
         """Refresh masters whose half param was written from outside
         (see :meth:`MasterWeights.sync_from_model`)."""
-        self.masters.sync_from_model(self.stepped_params())
+        self.masters.sync_pairs(self.master_pairs())
 
     def _pairs(self) -> list[tuple[Tensor, Tensor]]:
-        """(model param, stepped tensor) for everything the optimizer steps."""
-        return [(self.masters.model_param(p), p) for p in self.stepped_params()]
+        """(model param, stepped tensor) for everything the optimizer steps, in ``param_groups``
+        order.
+
+        Several calls of every iteration walk these; the list is made again only
+        when the masters or the groups' param lists changed. The lists are known
+        by the ids of their tensors, which the kept list holds, so no id can be
+        reused by another tensor while it is kept.
+        """
+        groups = self.optimizer.param_groups
+        key = (self.masters.version, *[tuple(map(id, g["params"])) for g in groups])
+        if key != self._pairs_key:
+            model_param = self.masters.model_param
+            self._pairs_kept = [(model_param(p), p) for g in groups for p in g["params"]]
+            self._master_pairs_kept = [(m, p) for m, p in self._pairs_kept if m is not p]
+            self._pairs_key = key
+        return self._pairs_kept
 
     # ------------------------------------------------------- scale_loss hooks
 
@@ -266,16 +286,20 @@ class OptimizerRecord:
         Returns:
             bool: True when deferred; False leaves them to :meth:`collect_unscale`.
         """
-        if not self.takes_step_inputs or self._stashed or any(
-                m.grad is not None for _, m in self.master_pairs()):
+        if not self.takes_step_inputs or self._stashed:
             return False
         grads = {}
         for model_p, stepped in self._pairs():
-            if model_p.grad is not None:
-                grads[stepped] = model_p.grad
-        norms = scaler.check(list(grads.values()))
+            if model_p is not stepped and stepped.grad is not None:
+                return False  # a master grad to accumulate into
+            grad = model_p.grad
+            if grad is not None:
+                grads[stepped] = grad
+        values = list(grads.values())
+        local = local_tensors(values)
+        norms = scaler.check(local)
         # The check's norms of sharded grads are this rank's part, not the whole's.
-        sharded = any(local_tensor(g) is not g for g in grads.values())
+        sharded = any(shard is not g for shard, g in zip(local, values))
         self._deferred_grads = _DeferredGrads(
             grads, {dev: scaler.snapshot(dev) for dev in norms}, None if sharded else norms,
             [(g, g._version) for g in grads.values()])
@@ -395,6 +419,10 @@ class OptimizerRecord:
                                     if not self.masters.is_master(p)))
         self._methods.install()
 
+    def _forget_pairs(self) -> None:
+        """Drop :meth:`_pairs`'s lists (and their references to the params)."""
+        self._pairs_key, self._pairs_kept, self._master_pairs_kept = (), [], []
+
     def restore(self) -> None:
         """Undo :meth:`install`: original methods back, hooks removed, model params back in
         ``param_groups``.
@@ -431,6 +459,7 @@ class OptimizerRecord:
         self._methods.restore()
         self._stashed.clear()
         self._deferred_grads = None
+        self._forget_pairs()
         self.grads.reset()
 
 

@@ -149,7 +149,7 @@ class PatchedMethods:
         record = self._record
         opt = record.optimizer
         masters = record.masters
-        masters.sync_from_model(record.stepped_params())
+        record.sync_masters_from_model()
         skip = record.grads.take_skip("optimizer.step()")
         found_inf = None
         if isinstance(skip, Tensor):
