@@ -46,7 +46,8 @@ def scale_loss(
     read on the host (``sync_free``, the default): the skip is decided on the
     device where the optimizer can take the flag, and read by ``step()``
     otherwise (docs/design.md, "Host syncs"). The O1 weight-cast cache is
-    cleared.
+    cleared on entry (the backward then frees each cast once its last user is
+    done) and again on exit.
 
     With a static scale of 1.0 and no master weights (O0, O3, and O1 with
     bf16 by default) this is a fast path: it yields ``loss.float()`` and
@@ -128,6 +129,11 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
                      loss_id: int, delay_unscale: bool,
                      delay_overflow_check: bool) -> Iterator[Tensor]:
     """The body of :func:`scale_loss` once its arguments are checked: yields the scaled loss."""
+    # The forward is over: the O1 casts go from the cache now, so that the backward frees
+    # each with the last node that saved it (as autocast's cache, cleared when its region
+    # ends) instead of holding every one until the exit.
+    if session.casts is not None:
+        session.casts.cache.clear()
     # A scale set after initialize (Apex's ``_amp_state.loss_scalers[i]._loss_scale``) is used.
     check = session.rank_check  # AMP_PATCH_DEBUG_RANKS=1 (amp_patch/frontend/debug.py)
     if session.props.skips_unscale and session.scalers[loss_id].loss_scale == 1.0:

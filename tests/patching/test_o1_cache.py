@@ -123,6 +123,27 @@ def test_clear_and_scale_loss_exit_drop_entries(cache):
     assert len(casts) == 0
 
 
+@pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16])
+def test_backward_frees_each_cast_before_the_exit(wrapper_path, half_dtype):
+    """scale_loss's entry drops the cache, so a cast lives only as long as the graph needs it
+    (as autocast's casts do), not until the exit: the backward's peak does not hold them all."""
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    amp_patch.initialize(lin, opt, opt_level="O1", half_dtype=half_dtype, verbosity=0)
+    casts = amp_session.current().casts.cache
+    loss = lin(torch.randn(2, 4)).float().sum()
+    alive = [weakref.ref(e.cast) for e in casts._entries.values()]
+    assert len(alive) == 2
+    with amp_patch.scale_loss(loss, opt) as scaled:
+        assert len(casts) == 0
+        del loss
+        scaled.backward()
+        gc.collect()
+        assert all(ref() is None for ref in alive)
+    # The same grads as with the cache kept: the cast is an exact function of the weight.
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32
+
+
 def test_no_leak_when_the_model_is_deleted(cache):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model(torch.randn(2, 4)).float().sum().backward()
