@@ -257,8 +257,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _grad_of(self, p: Tensor) -> Tensor | None:
         inputs = self._inputs
-        if inputs is not None and inputs.grads is not None and p in inputs.grads:
-            return inputs.grads[p]
+        if inputs is not None and inputs.grads is not None:
+            grad = inputs.grads.get(p)  # one hash of p: a tensor's is Python code
+            if grad is not None:
+                return grad
         return p.grad
 
     def _target(self, p: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -266,8 +268,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         that the step inputs map to a model param is one), else, for a half ``p`` of an
         optimizer that keeps masters, its own fp32 master (made on first use) and ``p``."""
         inputs = self._inputs
-        if inputs is not None and inputs.model_params is not None and p in inputs.model_params:
-            return p, inputs.model_params[p]
+        if inputs is not None and inputs.model_params is not None:
+            model_p = inputs.model_params.get(p)
+            if model_p is not None:
+                return p, model_p
         if not self._uses_master(p):
             return p, None
         state = self.state[p]
