@@ -70,13 +70,7 @@ WORKLOADS = {
                           "batch 32, SGD"),
 }
 
-#: glibc malloc settings read at process start: allocations up to 32 MiB come from the heap,
-#: and freed memory stays there, so an iteration's temporaries reuse warm pages.
-TUNED_MALLOC = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
-    "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),
-    "MALLOC_TOP_PAD_": str(256 * 2**20),
-}
+TUNED_MALLOC = common.TUNED_MALLOC
 ALLOCATORS = ("default", "tuned")
 
 _LM = ("lm", "lm-fused")

@@ -24,7 +24,14 @@ Per row:
   thread per process. Each row lives in its own spawned process; in each round
   every row trains the same number of steps in turn (the first row rotating),
   and the reported figure is the median over rounds of the per-round ratio to
-  autocast's time.
+  autocast's time;
+- **page faults per step**: the minor faults of the timed steps. By default the
+  row processes run with the tuned glibc malloc of docs/install.md
+  (``common.TUNED_MALLOC``): with glibc's defaults, freed blocks go back to
+  the OS and fault in again, by an amount that depends on each process's
+  allocation order and moves rows by up to 10% from run to run. That cost is
+  the CPU's alone (a GPU's caching allocator keeps its memory), so it is left
+  out of this proxy; ``--default-malloc`` measures with glibc's defaults.
 
 Targets (H2, docs/design.md): O1 <= 1.00x autocast's time with no more aten
 ops; O2 <= 0.95x with fewer ops. The section ``host-bound`` of
@@ -32,7 +39,7 @@ ops; O2 <= 0.95x with fewer ops. The section ``host-bound`` of
 
 Usage::
 
-    python benchmarks/bench_host_bound.py [--rounds 21] [--steps 20] [--no-write]
+    python benchmarks/bench_host_bound.py [--rounds 31] [--steps 20] [--default-malloc] [--no-write]
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ import argparse
 import collections
 import dataclasses
 import multiprocessing as mp
+import os
+import resource
 import statistics
 import sys
 import time
@@ -140,11 +149,14 @@ class _Row:
         return {"ops": sum(counter.ops.values()), "casts": dict(counter.casts),
                 "by_op": dict(counter.ops)}
 
-    def timed(self, steps: int) -> float:
+    def timed(self, steps: int) -> tuple[float, float]:
+        """Seconds of process CPU time and minor page faults, per step."""
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.process_time()
         for _ in range(steps):
             self.step()
-        return (time.process_time() - t0) / steps
+        seconds = (time.process_time() - t0) / steps
+        return seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
 
 
 def _serve(conn, row: str, warmup: int) -> None:
@@ -171,19 +183,37 @@ class RowRecord:
     row: str
     counts: dict[str, Any] = dataclasses.field(default_factory=dict)
     seconds: list[float] = dataclasses.field(default_factory=list)
+    faults: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None
 
 
-def measure(rows: tuple[str, ...], rounds: int, steps: int, warmup: int) -> dict[str, RowRecord]:
-    """Start a process per row, then time ``rounds`` interleaved rounds of ``steps`` steps."""
+def measure(rows: tuple[str, ...], rounds: int, steps: int, warmup: int,
+            malloc: dict[str, str | None] | None = None) -> dict[str, RowRecord]:
+    """Start a process per row, then time ``rounds`` interleaved rounds of ``steps`` steps.
+
+    ``malloc``: environment variables the row processes start with (None: unset).
+    """
     ctx = mp.get_context("spawn")
     records = {r: RowRecord(r) for r in rows}
     procs, conns = {}, {}
-    for r in rows:
-        parent, child = ctx.Pipe()
-        procs[r] = ctx.Process(target=_serve, args=(child, r, warmup), daemon=True)
-        procs[r].start()
-        conns[r] = parent
+    saved = {k: os.environ.get(k) for k in (malloc or {})}
+    try:
+        for k, v in (malloc or {}).items():  # glibc reads them as a process starts
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for r in rows:
+            parent, child = ctx.Pipe()
+            procs[r] = ctx.Process(target=_serve, args=(child, r, warmup), daemon=True)
+            procs[r].start()
+            conns[r] = parent
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         for r in rows:
             kind, payload = conns[r].recv()
@@ -201,7 +231,8 @@ def measure(rows: tuple[str, ...], rounds: int, steps: int, warmup: int) -> dict
                     records[r].error = payload
                     alive.remove(r)
                 else:
-                    records[r].seconds.append(payload)
+                    records[r].seconds.append(payload[0])
+                    records[r].faults.append(payload[1])
             print(f"  round {i + 1}/{rounds}: " + "  ".join(
                 f"{r} {records[r].seconds[-1] * 1e3:.2f}" for r in alive if records[r].seconds)
                 + " ms", file=sys.stderr, flush=True)
@@ -225,7 +256,7 @@ def ratio_to_anchor(records: dict[str, RowRecord], row: str) -> float | None:
 
 
 def report(records: dict[str, RowRecord], rounds: int, steps: int, warmup: int,
-           load: LoadMonitor) -> str:
+           load: LoadMonitor, tuned_malloc: bool = True) -> str:
     """The markdown section ``host-bound``."""
     anchor_ops = records[ANCHOR].counts.get("ops")
     aa = ratio_to_anchor(records, "autocast-AA") if "autocast-AA" in records else None
@@ -233,14 +264,16 @@ def report(records: dict[str, RowRecord], rounds: int, steps: int, warmup: int,
     rows = []
     for r, rec in records.items():
         if rec.error:
-            rows.append([r, "failed", "-", "-", "-", "-", rec.error])
+            rows.append([r, "failed", "-", "-", "-", "-", "-", rec.error])
             continue
         ratio = ratio_to_anchor(records, r)
         casts = rec.counts.get("casts", {})
         rows.append([r, rec.counts["ops"], f"{casts.get('forward', 0)} / {casts.get('backward', 0)}"
                      f" / {casts.get('step', 0)}",
                      f"{statistics.median(rec.seconds) * 1e3:.2f}",
-                     "-" if ratio is None else f"{ratio:.3f}x", _about(r), ""])
+                     "-" if ratio is None else f"{ratio:.3f}x",
+                     f"{statistics.median(rec.faults):.0f}" if rec.faults else "-",
+                     _about(r), ""])
     target_rows = []
     for r, target, sense in TARGETS:
         rec = records.get(r)
@@ -273,13 +306,21 @@ def report(records: dict[str, RowRecord], rounds: int, steps: int, warmup: int,
         f"{steps} steps (the first row rotating). Time: process CPU time per step; the ratio "
         "is the median over rounds of the row's time over autocast's in the same round. aten "
         "ops: one whole training step (zero_grad, forward, loss, backward, optimizer step) "
-        "under a TorchDispatchMode; casts are `aten::_to_copy` calls.",
+        "under a TorchDispatchMode; casts are `aten::_to_copy` calls. Page faults: the median "
+        "over rounds of the minor faults per timed step. "
+        + ("The row processes ran with the tuned glibc malloc of docs/install.md "
+           "(`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`): with "
+           "glibc's defaults, freed blocks go back to the OS and fault in again by an amount "
+           "that depends on each process's allocation order, a CPU-only cost that moved rows "
+           "by up to 10% between runs (`--default-malloc` measures it)."
+           if tuned_malloc else
+           "The row processes ran with glibc malloc's defaults (`--default-malloc`)."),
         "",
         f"A/A control (a second autocast process / autocast): {aa_line}.",
         "",
         common.markdown_table(["row", "aten ops / step", "casts: forward / backward / step",
-                               "CPU ms / step (median)", "time / autocast's", "what", "error"],
-                              rows),
+                               "CPU ms / step (median)", "time / autocast's",
+                               "page faults / step", "what", "error"], rows),
         "",
         "### Targets (H2, docs/design.md)",
         "",
@@ -306,17 +347,22 @@ def _host_kind() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=21, help="interleaved rounds (default: 21)")
+    p.add_argument("--rounds", type=int, default=31, help="interleaved rounds (default: 31)")
     p.add_argument("--steps", type=int, default=20, help="steps per row per round (default: 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per row (default: 5)")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=None,
                    help=f"rows beside {ANCHOR} (default: all)")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="run the rows with glibc malloc's defaults, not the tuned settings")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md")
     ns = p.parse_args(argv)
     rows = tuple(dict.fromkeys([ANCHOR, *(ns.rows or ROWS)]))
+    malloc = ({k: None for k in common.TUNED_MALLOC} if ns.default_malloc
+              else dict(common.TUNED_MALLOC))
     load = LoadMonitor().start()
-    records = measure(rows, ns.rounds, ns.steps, ns.warmup)
-    body = report(records, ns.rounds, ns.steps, ns.warmup, load.stop())
+    records = measure(rows, ns.rounds, ns.steps, ns.warmup, malloc)
+    body = report(records, ns.rounds, ns.steps, ns.warmup, load.stop(),
+                  tuned_malloc=not ns.default_malloc)
     common.publish("host-bound", body, write=not ns.no_write)
     return 0 if all(r.error is None for r in records.values()) else 1
 

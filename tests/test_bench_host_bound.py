@@ -7,6 +7,7 @@ these check that it counts and divides what it says, and that it runs.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -50,7 +51,8 @@ def test_each_row_counts_a_whole_step(row):
         assert counts["ops"] == sum(counts["by_op"].values()) > 100
         if fused_step:
             assert counts["by_op"][fused_step] == 1
-        assert run.timed(2) > 0
+        seconds, faults = run.timed(2)
+        assert seconds > 0 and faults >= 0
     finally:
         import amp_patch
 
@@ -65,11 +67,17 @@ def test_ratio_is_the_median_of_per_round_ratios():
 
 
 @pytest.mark.slow
-def test_script_writes_its_section(tmp_path, monkeypatch):
+@pytest.mark.parametrize("default_malloc", [False, True], ids=["tuned-malloc", "default-malloc"])
+def test_script_writes_its_section(tmp_path, monkeypatch, default_malloc):
     report = tmp_path / "benchmarks.md"
     monkeypatch.setenv("AMP_PATCH_BENCH_REPORT", str(report))
-    assert bench.main(["--rounds", "2", "--steps", "1", "--warmup", "1",
-                       "--rows", "O1", "autocast-AA"]) == 0
+    monkeypatch.delenv("MALLOC_TOP_PAD_", raising=False)
+    environ = dict(os.environ)
+    args = ["--rounds", "2", "--steps", "1", "--warmup", "1", "--rows", "O1", "autocast-AA"]
+    assert bench.main(args + (["--default-malloc"] if default_malloc else [])) == 0
+    assert dict(os.environ) == environ  # the rows' allocator settings stay theirs
     text = report.read_text()
     assert "<!-- section:host-bound -->" in text
     assert "A/A control" in text and "| O1 | <= 1.00x |" in text
+    assert ("glibc malloc's defaults" in text) is default_malloc
+    assert "page faults / step" in text
