@@ -24,7 +24,8 @@ Per row:
   thread per process. Each row lives in its own spawned process; in each round
   every row trains the same number of steps in turn (the first row rotating),
   and the reported figure is the median over rounds of the per-round ratio to
-  autocast's time;
+  autocast's time, over several sessions of fresh processes (a process keeps
+  a speed of its own, so rounds alone do not average it away);
 - **page faults per step**: the minor faults of the timed steps. By default the
   row processes run with the tuned glibc malloc of docs/install.md
   (``common.TUNED_MALLOC``): with glibc's defaults, freed blocks go back to
@@ -39,7 +40,7 @@ ops; O2 <= 0.95x with fewer ops. The section ``host-bound`` of
 
 Usage::
 
-    python benchmarks/bench_host_bound.py [--rounds 31] [--steps 20] [--default-malloc] [--no-write]
+    python benchmarks/bench_host_bound.py [--rounds 15] [--sessions 3] [--steps 20] [--default-malloc] [--no-write]
 """
 
 from __future__ import annotations
@@ -185,6 +186,16 @@ class RowRecord:
     seconds: list[float] = dataclasses.field(default_factory=list)
     faults: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None
+    #: The session (a fresh set of row processes) of each entry of ``seconds``.
+    session: list[int] = dataclasses.field(default_factory=list)
+
+    def extend(self, other: "RowRecord", session: int) -> None:
+        """Add ``other``'s rounds, measured in ``session``; its counts when none yet."""
+        self.counts = self.counts or other.counts
+        self.seconds += other.seconds
+        self.faults += other.faults
+        self.session += [session] * len(other.seconds)
+        self.error = self.error or other.error
 
 
 def measure(rows: tuple[str, ...], rounds: int, steps: int, warmup: int,
@@ -248,15 +259,28 @@ def measure(rows: tuple[str, ...], rounds: int, steps: int, warmup: int,
     return records
 
 
-def ratio_to_anchor(records: dict[str, RowRecord], row: str) -> float | None:
-    """The median over rounds of ``row``'s time over the anchor's in the same round."""
-    a, b = records[row].seconds, records[ANCHOR].seconds
-    ratios = [x / y for x, y in zip(a, b) if y > 0]
+def ratio_to_anchor(records: dict[str, RowRecord], row: str,
+                    session: int | None = None) -> float | None:
+    """The median over rounds of ``row``'s time over the anchor's in the same round (of one
+    session, or of all)."""
+    a, b = records[row], records[ANCHOR]
+    ratios = [x / y for i, (x, y) in enumerate(zip(a.seconds, b.seconds))
+              if y > 0 and (session is None or i >= len(a.session) or a.session[i] == session)]
     return statistics.median(ratios) if ratios else None
 
 
+def session_ratios(records: dict[str, RowRecord], row: str) -> list[float]:
+    """:func:`ratio_to_anchor` of each session, in order."""
+    out = []
+    for session in dict.fromkeys(records[row].session):
+        ratio = ratio_to_anchor(records, row, session)
+        if ratio is not None:
+            out.append(ratio)
+    return out
+
+
 def report(records: dict[str, RowRecord], rounds: int, steps: int, warmup: int,
-           load: LoadMonitor, tuned_malloc: bool = True) -> str:
+           load: LoadMonitor, tuned_malloc: bool = True, sessions: int = 1) -> str:
     """The markdown section ``host-bound``."""
     anchor_ops = records[ANCHOR].counts.get("ops")
     aa = ratio_to_anchor(records, "autocast-AA") if "autocast-AA" in records else None
@@ -264,7 +288,7 @@ def report(records: dict[str, RowRecord], rounds: int, steps: int, warmup: int,
     rows = []
     for r, rec in records.items():
         if rec.error:
-            rows.append([r, "failed", "-", "-", "-", "-", "-", rec.error])
+            rows.append([r, "failed", "-", "-", "-", "-", "-", "-", rec.error])
             continue
         ratio = ratio_to_anchor(records, r)
         casts = rec.counts.get("casts", {})
@@ -272,6 +296,7 @@ def report(records: dict[str, RowRecord], rounds: int, steps: int, warmup: int,
                      f" / {casts.get('step', 0)}",
                      f"{statistics.median(rec.seconds) * 1e3:.2f}",
                      "-" if ratio is None else f"{ratio:.3f}x",
+                     " / ".join(f"{x:.3f}" for x in session_ratios(records, r)) or "-",
                      f"{statistics.median(rec.faults):.0f}" if rec.faults else "-",
                      _about(r), ""])
     target_rows = []
@@ -303,8 +328,11 @@ def report(records: dict[str, RowRecord], rounds: int, steps: int, warmup: int,
         "arithmetic is negligible and the step's time is the host's (Python, dispatch; on a "
         "GPU, one launch per op). Each row in its own spawned process with "
         f"{threads} torch thread, {warmup} warm-up steps, then {rounds} interleaved rounds of "
-        f"{steps} steps (the first row rotating). Time: process CPU time per step; the ratio "
-        "is the median over rounds of the row's time over autocast's in the same round. aten "
+        f"{steps} steps (the first row rotating); {sessions} session(s), each with fresh "
+        "processes (a process keeps a speed of its own, within a few per cent, so rounds alone "
+        "do not average it away). Time: process CPU time per step; the ratio "
+        "is the median over all rounds of the row's time over autocast's in the same round, "
+        "and per session the same median over that session's rounds. aten "
         "ops: one whole training step (zero_grad, forward, loss, backward, optimizer step) "
         "under a TorchDispatchMode; casts are `aten::_to_copy` calls. Page faults: the median "
         "over rounds of the minor faults per timed step. "
@@ -320,7 +348,7 @@ def report(records: dict[str, RowRecord], rounds: int, steps: int, warmup: int,
         "",
         common.markdown_table(["row", "aten ops / step", "casts: forward / backward / step",
                                "CPU ms / step (median)", "time / autocast's",
-                               "page faults / step", "what", "error"], rows),
+                               "per session", "page faults / step", "what", "error"], rows),
         "",
         "### Targets (H2, docs/design.md)",
         "",
@@ -347,7 +375,10 @@ def _host_kind() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=31, help="interleaved rounds (default: 31)")
+    p.add_argument("--rounds", type=int, default=15,
+                   help="interleaved rounds per session (default: 15)")
+    p.add_argument("--sessions", type=int, default=3,
+                   help="sessions, each with fresh row processes (default: 3)")
     p.add_argument("--steps", type=int, default=20, help="steps per row per round (default: 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per row (default: 5)")
     p.add_argument("--rows", nargs="+", choices=ROWS, default=None,
@@ -360,9 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     malloc = ({k: None for k in common.TUNED_MALLOC} if ns.default_malloc
               else dict(common.TUNED_MALLOC))
     load = LoadMonitor().start()
-    records = measure(rows, ns.rounds, ns.steps, ns.warmup, malloc)
+    records = {r: RowRecord(r) for r in rows}
+    for session in range(ns.sessions):
+        print(f"session {session + 1}/{ns.sessions}", file=sys.stderr, flush=True)
+        for r, rec in measure(rows, ns.rounds, ns.steps, ns.warmup, malloc).items():
+            records[r].extend(rec, session)
     body = report(records, ns.rounds, ns.steps, ns.warmup, load.stop(),
-                  tuned_malloc=not ns.default_malloc)
+                  tuned_malloc=not ns.default_malloc, sessions=ns.sessions)
     common.publish("host-bound", body, write=not ns.no_write)
     return 0 if all(r.error is None for r in records.values()) else 1
 

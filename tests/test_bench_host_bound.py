@@ -66,6 +66,18 @@ def test_ratio_is_the_median_of_per_round_ratios():
     assert bench.ratio_to_anchor(records, "O1") == pytest.approx(1.1)
 
 
+def test_sessions_pool_their_rounds_and_keep_their_own_medians():
+    records = {"autocast": bench.RowRecord("autocast"), "O1": bench.RowRecord("O1")}
+    for session, (anchor, row) in enumerate([([1.0, 1.0], [0.9, 0.95]),
+                                             ([2.0, 2.0, 2.0], [2.4, 2.2, 2.6])]):
+        records["autocast"].extend(bench.RowRecord("autocast", seconds=anchor), session)
+        records["O1"].extend(bench.RowRecord("O1", counts={"ops": 1}, seconds=row), session)
+    assert bench.session_ratios(records, "O1") == pytest.approx([0.925, 1.2])
+    # All five rounds: 0.9, 0.95, 1.2, 1.1, 1.3.
+    assert bench.ratio_to_anchor(records, "O1") == pytest.approx(1.1)
+    assert records["O1"].counts == {"ops": 1} and records["O1"].session == [0, 0, 1, 1, 1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("default_malloc", [False, True], ids=["tuned-malloc", "default-malloc"])
 def test_script_writes_its_section(tmp_path, monkeypatch, default_malloc):
@@ -73,7 +85,8 @@ def test_script_writes_its_section(tmp_path, monkeypatch, default_malloc):
     monkeypatch.setenv("AMP_PATCH_BENCH_REPORT", str(report))
     monkeypatch.delenv("MALLOC_TOP_PAD_", raising=False)
     environ = dict(os.environ)
-    args = ["--rounds", "2", "--steps", "1", "--warmup", "1", "--rows", "O1", "autocast-AA"]
+    args = ["--rounds", "2", "--sessions", "2", "--steps", "1", "--warmup", "1",
+            "--rows", "O1", "autocast-AA"]
     assert bench.main(args + (["--default-malloc"] if default_malloc else [])) == 0
     assert dict(os.environ) == environ  # the rows' allocator settings stay theirs
     text = report.read_text()
