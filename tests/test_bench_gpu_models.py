@@ -83,7 +83,8 @@ def test_row_trains_at_tiny_size(device, workload, row):
 
 
 def test_targets_are_ratios_to_the_same_runs_anchors():
-    """G1 is autocast's step time over O2's, G2 O1's over autocast's, M1 O3's peak over O0's."""
+    """G1 is autocast's step time over O2's, G2 O1's over autocast's, M1 O3's peak over O0's,
+    both net of the fp32 loss over the logits."""
     def row(name, seconds, peak):
         return bench.RowResult(bench.RowSpec("gpt2", name, "fp16", "cuda", "full", 1, 1),
                                step_seconds=seconds, peak_bytes=peak, params=1, final_loss=1.0)
@@ -92,7 +93,14 @@ def test_targets_are_ratios_to_the_same_runs_anchors():
                row("O3", 0.2, 520), row("autocast", 0.3, 650)]
     assert bench._target_value("g1", results, "gpt2", "fp16") == pytest.approx(1.2)
     assert bench._target_value("g2", results, "gpt2", "fp16") == pytest.approx(1.1)
-    assert bench._target_value("m1", results, "gpt2", "fp16") == pytest.approx(0.52)
+    # M1 net of the fp32 loss L on both sides (tiny size: L = 2 x 2 x 32 x 512 x 4 = 262144).
+    assert bench._target_value("m1", results, "gpt2", "fp16") is None  # a peak below L
+    big = [bench.RowResult(r.spec, r.step_seconds, r.peak_bytes * 10**4, r.params, r.final_loss)
+           for r in results]
+    fixed = bench.loss_fp32_bytes("gpt2", "tiny")
+    assert fixed == 262144
+    assert bench._target_value("m1", big, "gpt2", "fp16", "tiny") == pytest.approx(
+        (5_200_000 - fixed) / (10_000_000 - fixed))
     assert bench._target_value("g1", results, "gpt2", "bf16") is None
 
 
@@ -128,3 +136,17 @@ def test_script_runs_every_row_in_its_own_process(tmp_path, monkeypatch):
     assert "| G1 | gpt2 | bf16 |" in text
     assert "| G2 | resnet50 | bf16 |" in text  # shown, not measured: no O1 row
     assert "not a GPU: not judged" in text
+
+
+def test_m1_report_gives_each_model_its_ratio_net_of_the_fp32_loss():
+    def count(peak, fixed):
+        return {"params": 1, "masters": 0, "state": 2, "step_peak": peak - 3, "peak": peak,
+                "logits_fp32": fixed, "peak_at": "aten::nll_loss_forward"}
+
+    mib = 2**20
+    counts = {"benchmark LM": {"O0": count(518 * mib, 64 * mib), "O3": count(291 * mib, 64 * mib)},
+              "other": {"O0": count(400 * mib, 100 * mib), "O3": count(280 * mib, 100 * mib)}}
+    text = bench.m1_report(counts)
+    assert "### benchmark LM (vocab" in text and "### other" in text
+    assert "(O3 - L) / (O0 - L): **0.500**" in text  # (291 - 64) / (518 - 64)
+    assert "(O3 - L) / (O0 - L): **0.600**" in text and "O3 / O0: 0.700" in text
