@@ -265,10 +265,16 @@ AMP_OPTIM_HD uint16_t stochastic_bf16_bits(uint32_t u, uint32_t r) {
   return static_cast<uint16_t>((u + r) >> 16);
 }
 
-// Adam's update direction from the moments, with AdamW's decay term.
+// Adam's update direction from the moments, with AdamW's decay term. A bias
+// correction of exactly 1.0f (bias_correction=False, or a late step: 1 - 0.9^t
+// rounds to 1.0f from t = 165, 1 - 0.999^t from t = 16,600) divides nothing
+// away: x / 1 is x in IEEE arithmetic (no flush-to-zero here), so its division,
+// the dearest operation of the rule, is skipped without changing a bit.
 template <typename T>
 AMP_OPTIM_FN T adam_direction(const T& m, const T& v, const T& p, const AdamHyper& h) {
-  T u = (m / T(h.bias_correction1)) / (sqrt_rn(v / T(h.bias_correction2)) + T(h.eps));
+  const T m_hat = h.bias_correction1 == 1.0f ? m : m / T(h.bias_correction1);
+  const T v_hat = h.bias_correction2 == 1.0f ? v : v / T(h.bias_correction2);
+  T u = m_hat / (sqrt_rn(v_hat) + T(h.eps));
   if (h.adam_w_mode && h.weight_decay != 0.0f) {
     u = u + T(h.weight_decay) * p;
   }
@@ -290,7 +296,7 @@ AMP_OPTIM_FN void adam_new_moments(T g, const T& p, T& m, T& v, const AdamHyper&
 // scaled grad, then the param from the moments.
 template <typename T>
 AMP_OPTIM_FN void adam_update_moments(const T& g, const T& p, T& m, T& v, const AdamHyper& h) {
-  adam_new_moments(g * T(h.inv_scale), p, m, v, h);
+  adam_new_moments(h.inv_scale == 1.0f ? g : g * T(h.inv_scale), p, m, v, h);  // g * 1 is g
 }
 
 template <typename T>

@@ -178,7 +178,9 @@ BUILDERS = {
 
 # Option sets per op: the modes whose arithmetic differs.
 VARIANTS = {
-    "adam": [{}, {"adam_w_mode": False}, {"weight_decay": 0.0, "bias_correction": False, "inv_scale": False}],
+    "adam": [{}, {"adam_w_mode": False}, {"weight_decay": 0.0, "bias_correction": False, "inv_scale": False},
+             # Late steps: the first bias correction is 1.0f (its division skipped), then both.
+             {"step": 1000}, {"step": 20000, "adam_w_mode": False}],
     "sgd": [{}, {"nesterov": True, "first_run": True}, {"wd_after_momentum": True},
             {"momentum": 0.0, "inv_scale": False}],
     "adagrad": [{}, {"adagrad_w_mode": True}, {"weight_decay": 0.0, "inv_scale": False}],
