@@ -83,6 +83,25 @@ class Fp8Plan:
     left_out: dict[str, str]
     recipe: Fp8Recipe
 
+    def summary(self) -> str:
+        r"""One line: how many layers were converted, and each one left out with its reason
+        (``amp-patch compare`` shows it under its table).
+
+        Example::
+
+            >>> plan = select([nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 10))],
+            ...               Fp8Recipe(min_features=16))
+            >>> print(plan.summary().replace("; ", ";\n"))
+            FP8: 1 of 2 nn.Linear layers converted;
+            left out: 1 (out_features=10 is not a multiple of 16 (the FP8 GEMM needs it))
+        """
+        total = len(self.converted) + len(self.left_out)
+        text = f"FP8: {len(self.converted)} of {total} nn.Linear layers converted"
+        if self.left_out:
+            text += "; left out: " + ", ".join(f"{name} ({why})"
+                                               for name, why in self.left_out.items())
+        return text
+
     def describe(self) -> str:
         """The log's lines: what was converted, what was left out and why."""
         lines = [f"FP8 ({self.recipe.describe()}): {len(self.converted)} nn.Linear layer(s) "

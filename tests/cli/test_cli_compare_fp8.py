@@ -40,6 +40,7 @@ def test_level_trainer_converts_the_builtin_lm():
         plan = amp.fp8_plan()
         linears = [n for n, m in w.model.named_modules() if isinstance(m, torch.nn.Linear)]
         assert plan is not None and list(plan.converted) == linears and not plan.left_out
+        assert t.notes() == [f"FP8: {len(linears)} of {len(linears)} nn.Linear layers converted"]
         losses = [t.step(w.batch_fn(0)).item()]
         assert all(torch.isfinite(torch.tensor(losses))) and not t.skipped
     finally:
@@ -55,9 +56,29 @@ def test_row_is_skipped_without_fp8_gemms(monkeypatch):
                              torch.bfloat16)
 
 
+def test_level_trainer_notes_the_layers_left_out():
+    """A layer the filter leaves out is named with its reason in the row's notes."""
+    w = models.lm(**dict(TINY_LM, vocab=70))  # the head's 70 outputs: not a multiple of 16
+    t = trainer.LevelTrainer("O2+fp8", w.model, w.optimizer, w.loss_fn, torch.device("cpu"),
+                             torch.bfloat16)
+    try:
+        (note,) = t.notes()
+    finally:
+        t.close()
+    assert note.startswith("FP8: ") and "left out: " in note and "out_features=70" in note
+    o2 = trainer.LevelTrainer("O2", w.model, w.optimizer, w.loss_fn, torch.device("cpu"),
+                              torch.bfloat16)
+    try:
+        assert o2.notes() == []
+    finally:
+        o2.close()
+
+
 def test_table_caption_states_the_recipe():
     results = [compare_results.LevelResult("O2", losses=[1.0], peak_memory_bytes=2**20),
-               compare_results.LevelResult("O2+fp8", losses=[1.0], peak_memory_bytes=2**20)]
+               compare_results.LevelResult("O2+fp8", losses=[1.0], peak_memory_bytes=2**20,
+                                           notes=["FP8: 3 of 4 nn.Linear layers converted; "
+                                                  "left out: head (why)"])]
     comparison = compare_results.Comparison(results, HostFacts.collect("cpu"), LoadMonitor(), [])
     from rich.console import Console
 
@@ -65,6 +86,8 @@ def test_table_caption_states_the_recipe():
     console.print(render_table(comparison, "t"))
     text = console.export_text()
     assert "O2+fp8: O2 with its nn.Linear layers in FP8" in text
+    assert "O2+fp8: FP8: 3 of 4 nn.Linear layers converted; left out: head (why)" in text
+    assert comparison.results[1].to_json()["notes"] == [results[1].notes[0]]
 
 
 @pytest.mark.slow
@@ -81,3 +104,4 @@ def test_compare_runs_the_fp8_row(tmp_path):
     # Same seed and data: FP8 starts where O2 starts, within FP8's rounding.
     assert abs(row["losses"][0] - data["levels"]["O2"]["losses"][0]) < 0.05
     assert "O2+fp8: O2 with its nn.Linear layers in FP8" in proc.stdout
+    assert row["notes"] and row["notes"][0].startswith("FP8: ") and not data["levels"]["O2"]["notes"]

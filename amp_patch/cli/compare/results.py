@@ -58,6 +58,8 @@ class LevelResult:
         max_abs_loss_diff_vs_O0 (float or None): max over steps of ``|loss - O0 loss|``.
         warmup_steps (int): untimed steps before the rounds.
         threads (int or None): torch threads of the level's process.
+        notes (list of str): what the level's setup decided (which layers FP8
+            converted, and which it left out and why).
     """
 
     level: str
@@ -80,6 +82,7 @@ class LevelResult:
     max_abs_loss_diff_vs_O0: float | None = None
     warmup_steps: int = 0
     threads: int | None = None
+    notes: list[str] = field(default_factory=list)
 
     @classmethod
     def from_record(cls, record: LevelRecord) -> "LevelResult":
@@ -100,7 +103,8 @@ class LevelResult:
                    round_rank_peak_bytes=rank_rounds, memory_kind=record.memory_kind,
                    losses=record.losses,
                    loss_scales=record.loss_scales, skipped=record.skipped,
-                   warmup_steps=record.warmup_steps, threads=record.threads)
+                   warmup_steps=record.warmup_steps, threads=record.threads,
+                   notes=list(record.notes))
 
     @property
     def final_loss(self) -> float | None:

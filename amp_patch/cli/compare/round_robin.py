@@ -136,12 +136,15 @@ class LevelRecord:
             memory over the whole run, warm-up included; else empty.
         round_rank_peak_bytes (list of list of int): under a strategy, each
             timed round's peak of each rank; else empty.
+        notes (list of str): what the level's setup decided that its row should say
+            (which layers FP8 converted).
     """
 
     level: str
     error: str | None = None
     unavailable: str | None = None
     threads: int | None = None
+    notes: list[str] = field(default_factory=list)
     memory_kind: str = ""
     warmup_steps: int = 0
     losses: list[float] = field(default_factory=list)
@@ -258,7 +261,8 @@ class _Level:
         return batch if self.world == 1 else data_parallel.local_batch(batch, self.rank, self.world)
 
     def facts(self) -> dict[str, Any]:
-        return {"threads": torch.get_num_threads(), "memory_kind": self.memory.kind}
+        return {"threads": torch.get_num_threads(), "memory_kind": self.memory.kind,
+                "notes": self.trainer.notes()}
 
     def train(self, n: int, send: Callable[[Any], None] | None) -> dict[str, Any]:
         """Train the next ``n`` steps; return the chunk (every rank's peaks on rank 0)."""
@@ -458,6 +462,7 @@ class LevelPool:
             if reply is not None:
                 self.records[lv].threads = reply["threads"]
                 self.records[lv].memory_kind = reply["memory_kind"]
+                self.records[lv].notes = list(reply.get("notes", ()))
 
     def train(self, level: str, steps: int, timed: bool = True) -> bool:
         """Have ``level`` train its next ``steps`` steps; add them to its record.

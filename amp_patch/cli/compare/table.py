@@ -85,6 +85,7 @@ def render_table(comparison: Comparison, title: str):
                *filter(None, [ranks_line(comparison)]),
                *(f"{r.level}: {PRESETS[r.level].about}" for r in comparison.results
                  if r.level in PRESETS),
+               *(f"{r.level}: {note}" for r in comparison.results for note in r.notes),
                *filter(None, [_autocast_label(comparison)]),
                comparison.host.line(), comparison.load.line()]
     if len(comparison.rounds) < host_facts.MIN_ROUNDS:

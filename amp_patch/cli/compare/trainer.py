@@ -271,6 +271,12 @@ class LevelTrainer:
             return float(self._grad_scaler.get_scale())
         return 1.0
 
+    def notes(self) -> list[str]:
+        """What the row's setup decided that its row should say: which layers FP8 converted
+        and which it left out, with why (:meth:`amp_patch.casting.fp8.Fp8Plan.summary`)."""
+        plan = amp.fp8_plan() if self._uses_amp else None
+        return [plan.summary()] if plan is not None else []
+
     def close(self) -> None:
         """Undo :func:`amp_patch.initialize` (a no-op for autocast); drop the DDP wrapper."""
         self.net = self.model  # DDP's reducer holds the process group
