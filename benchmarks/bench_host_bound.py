@@ -49,7 +49,6 @@ import argparse
 import collections
 import dataclasses
 import multiprocessing as mp
-import os
 import resource
 import statistics
 import sys
@@ -65,6 +64,7 @@ import common  # noqa: E402
 
 import amp_patch as amp  # noqa: E402
 from amp_patch.cli.compare import models  # noqa: E402
+from amp_patch.cli.compare.round_robin import spawn_environment  # noqa: E402
 from amp_patch.cli.host_facts import LoadMonitor  # noqa: E402
 
 #: The tiny LM: the benchmark LM's depth and vocabulary at width 64, seq 16, batch 2.
@@ -207,24 +207,12 @@ def measure(rows: tuple[str, ...], rounds: int, steps: int, warmup: int,
     ctx = mp.get_context("spawn")
     records = {r: RowRecord(r) for r in rows}
     procs, conns = {}, {}
-    saved = {k: os.environ.get(k) for k in (malloc or {})}
-    try:
-        for k, v in (malloc or {}).items():  # glibc reads them as a process starts
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with spawn_environment(list((malloc or {}).items())):  # glibc reads them as a process starts
         for r in rows:
             parent, child = ctx.Pipe()
             procs[r] = ctx.Process(target=_serve, args=(child, r, warmup), daemon=True)
             procs[r].start()
             conns[r] = parent
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         for r in rows:
             kind, payload = conns[r].recv()

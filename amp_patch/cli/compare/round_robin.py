@@ -46,7 +46,8 @@ from amp_patch.cli.host_facts import cpu_count
 from amp_patch.helpers import close_process_group
 from amp_patch.settings.dtypes import HALF_DTYPE_NAMES
 
-__all__ = ["JobSpec", "LevelRecord", "LevelPool", "measure", "split_steps", "median_step_seconds"]
+__all__ = ["JobSpec", "LevelRecord", "LevelPool", "measure", "split_steps", "median_step_seconds",
+           "spawn_environment"]
 
 #: How long the parent waits between checks that a silent level process is still alive.
 _POLL_S = 0.2
@@ -389,9 +390,19 @@ def _launch(conn, level: str, spec: JobSpec) -> None:
 
 
 @contextmanager
-def _environment(pairs: Sequence[tuple[str, str | None]]) -> Iterator[None]:
-    # Spawned processes read the environment at start; the parent's own is put back after.
-    # None unsets a variable, so that one the parent has does not reach the levels.
+def spawn_environment(pairs: Sequence[tuple[str, str | None]]) -> Iterator[None]:
+    """Set ``(name, value)`` environment variables for processes started inside the block.
+
+    Spawned processes read the environment as they start (glibc's ``MALLOC_*``
+    settings among it); the parent's own is put back on exit. A value of None
+    unsets the variable, so that one the parent has does not reach them.
+
+    Example::
+
+        >>> with spawn_environment([("MALLOC_TOP_PAD_", "268435456")]):
+        ...     os.environ["MALLOC_TOP_PAD_"]
+        '268435456'
+    """
     saved = {k: os.environ.get(k) for k, _ in pairs}
     for k, v in pairs:
         if v is None:
@@ -449,7 +460,7 @@ class LevelPool:
         ctx = mp.get_context("spawn")
         # A launcher starts the ranks, and a daemonic process may not have children.
         target, daemon = (_serve, True) if self.spec.strategy is None else (_launch, False)
-        with _environment(self.spec.env):
+        with spawn_environment(self.spec.env):
             for lv in self.levels:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=target, args=(child, lv, self.spec), daemon=daemon,
