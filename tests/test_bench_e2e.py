@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
+from _scripts import load_script
 
-def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
-    spec = importlib.util.spec_from_file_location("bench_e2e", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench_e2e")
 
 
 def test_m1_is_net_of_the_fp32_loss_and_the_others_plain_ratios():

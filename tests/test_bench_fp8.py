@@ -6,24 +6,13 @@ Its targets are for a GPU (docs/benchmarks.md, fp8-cuda); here its rows run at
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from _scripts import load_script
 
-def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fp8.py"
-    spec = importlib.util.spec_from_file_location("bench_fp8", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench_fp8")
 
 
 def test_full_sizes_are_the_issue_rows():

@@ -8,29 +8,16 @@ parameters on the meta device.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import DEVICES
 
+from _scripts import load_script
 
-def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_models.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu_models", path)
-    module = importlib.util.module_from_spec(spec)
-    # Registered under its own name: its dataclasses, and the rows' spawned processes, look
-    # the module up by it.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench_gpu_models")
 
 
 def test_full_sizes_are_gpt2_small_and_resnet50():

@@ -6,27 +6,14 @@ these check that it counts and divides what it says, and that it runs.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from _scripts import load_script
 
-def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host_bound.py"
-    spec = importlib.util.spec_from_file_location("bench_host_bound", path)
-    module = importlib.util.module_from_spec(spec)
-    # Registered under its own name: its dataclasses, and the rows' spawned processes, look
-    # the module up by it.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench_host_bound")
 
 
 def test_op_counter_counts_dispatched_ops_and_casts_by_phase():

@@ -11,25 +11,15 @@ scales by the current amax (docs/fp8.md, The recipes).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+
+from _scripts import load_script
 
 STEPS = 100
 
 
-def _load():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "accuracy_fp8.py"
-    spec = importlib.util.spec_from_file_location("accuracy_fp8", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-study = _load()
+study = load_script("accuracy_fp8")
 
 
 @pytest.fixture(scope="module")
