@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 from typing import Callable
 
 import torch
@@ -249,3 +252,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_ranks(code: str, args: Callable[[int], list[str]], world: int = 2,
+              timeout: float = 300) -> list[int]:
+    """Run ``python -c code *args(rank)`` as ``world`` ranks of one rendezvous on 127.0.0.1, one
+    thread each; return their exit codes (a rank still running at ``timeout`` is killed)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args(r)], env=dict(env, RANK=str(r)))
+             for r in range(world)]
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

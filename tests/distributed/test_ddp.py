@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from training_utils import free_port
+from training_utils import run_ranks
 
 TESTS = Path(__file__).resolve().parents[1]
 STEPS, BAD = 6, 2
@@ -50,19 +47,8 @@ close_process_group()
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_ddp_two_ranks_identical_and_skip_together(level, tmp_path):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, str(TESTS), level, str(tmp_path / f"{r}.pt"),
-                          str(STEPS), str(BAD)], env=dict(env, RANK=str(r)))
-        for r in range(2)
-    ]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = run_ranks(WORKER, lambda r: [str(TESTS), level, str(tmp_path / f"{r}.pt"),
+                                         str(STEPS), str(BAD)])
     assert codes == [0, 0]
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
     assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))

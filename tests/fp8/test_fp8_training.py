@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ from amp_patch.casting import fp8 as cfp8
 from amp_patch.ops import fp8_ops
 from amp_patch.optim.fused import FusedAdam
 from conftest import DEVICES, HALF_DTYPES
-from training_utils import count_device_reads, free_port, snapshot
+from training_utils import count_device_reads, run_ranks, snapshot
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 SCALINGS = ["tensorwise", "delayed", "rowwise"]
@@ -568,18 +565,7 @@ close_process_group()
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks(strategy, tmp_path):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE="2", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", DDP_WORKER, str(TESTS),
-                               str(tmp_path / f"{r}.pt"), strategy],
-                              env=dict(env, RANK=str(r)))
-             for r in range(2)]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = run_ranks(DDP_WORKER, lambda r: [str(TESTS), str(tmp_path / f"{r}.pt"), strategy])
     assert codes == [0, 0]
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
     assert r0["plan"] == ("0", "2", "4")
