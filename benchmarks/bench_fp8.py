@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import amp_patch as amp  # noqa: E402
+from amp_patch.cli.compare.models import causal_self_attention  # noqa: E402
 from amp_patch.cli.compare.trainer import CpuPeak  # noqa: E402
 from amp_patch.ops import fp8_ops  # noqa: E402
 from amp_patch.optim.fused import FusedAdam  # noqa: E402
@@ -146,11 +147,7 @@ class Block(nn.Module):
         self.down = nn.Linear(ffn, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.o(causal_self_attention(self.qkv(self.norm1(x)), self.heads))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 

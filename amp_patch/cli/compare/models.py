@@ -44,6 +44,7 @@ __all__ = [
     "BENCH_LM",
     "COMPARE_LM",
     "TransformerLM",
+    "causal_self_attention",
     "lm",
     "mlp",
     "convnet",
@@ -121,6 +122,26 @@ COMPARE_LM = LMConfig(vocab=512, d_model=256, n_layers=2, n_heads=4, seq_len=128
                       lr=3e-3)
 
 
+def causal_self_attention(qkv: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Causal multi-head attention over a fused projection ``qkv`` of shape (b, t, 3c).
+
+    Splits it into q, k and v, runs ``F.scaled_dot_product_attention`` per
+    head and returns the heads joined again, (b, t, c), for the output projection.
+
+    Example::
+
+        >>> causal_self_attention(torch.randn(2, 5, 3 * 8), n_heads=2).shape
+        torch.Size([2, 5, 8])
+    """
+    b, t, c3 = qkv.shape
+    c = c3 // 3
+    q, k, v = qkv.split(c, dim=-1)
+    # (b, t, c) -> (b, heads, t, c/heads), the layout SDPA expects.
+    q, k, v = (z.view(b, t, n_heads, c // n_heads).transpose(1, 2) for z in (q, k, v))
+    att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return att.transpose(1, 2).reshape(b, t, c)
+
+
 class _Block(nn.Module):
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int) -> None:
         super().__init__()
@@ -133,12 +154,7 @@ class _Block(nn.Module):
         self.fc2 = nn.Linear(mlp_ratio * d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
-        # (b, t, c) -> (b, heads, t, c/heads), the layout SDPA expects.
-        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(causal_self_attention(self.qkv(self.ln1(x)), self.n_heads))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
