@@ -263,29 +263,13 @@ def plot(results: dict[str, Any], path: Path, recipes: tuple[str, ...],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = results["steps"]
-    first = steps * 2 // 3
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-    tails: list[float] = []
+    curves = []
     for lbl, recipe, seed in runs_of(recipes, seeds, fp8_seeds):
-        run = results["runs"][lbl]
-        smooth = torch.tensor(run["losses"]).unfold(0, window, 1).mean(1).tolist()
-        xs = list(range(window, steps + 1))
         style = {"color": _COLOURS[recipe], "linestyle": ("-", "--", ":")[seeds.index(seed) % 3],
                  "linewidth": 1.8 if recipe is None else 1.2}
-        for ax in axes:
-            ax.plot(xs, smooth, label=lbl, **style)
-        tails += smooth[first - window + 1:]
-    axes[0].set_title(f"training loss (mean of {window} steps)")
-    axes[1].set_title(f"steps {first}-{steps}, enlarged")
-    axes[1].set_xlim(first, steps)
-    low, high = min(tails), max(tails)
-    axes[1].set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="upper right")
+        curves.append((lbl, results["runs"][lbl]["losses"], style))
+    common.loss_panels(axes, curves, results["steps"], window)
     fig.suptitle("The compare LM at O2 bf16 (black) and O2+fp8 per recipe; line style: seed",
                  fontsize=10)
     fig.tight_layout()

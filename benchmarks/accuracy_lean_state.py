@@ -239,26 +239,9 @@ def plot(results: dict[str, Any], path: Path, window: int = 10) -> None:
     fig, axes = plt.subplots(len(names), 2, figsize=(13, 4.6 * len(names)), squeeze=False)
     for row, model in zip(axes, names):
         res = results["models"][model]
-        steps = res["steps"]
-        first = steps * 2 // 3
-        tails: list[float] = []
-        for label, run in res["runs"].items():
-            smooth = torch.tensor(run["losses"]).unfold(0, window, 1).mean(1).tolist()
-            xs = list(range(window, steps + 1))
-            short = label[len(model) + 1:]
-            for ax in row:
-                ax.plot(xs, smooth, label=short, **_style(short, run))
-            tails += smooth[first - window + 1:]
-        row[0].set_title(f"{model}: training loss (mean of {window} steps)")
-        row[1].set_title(f"{model}: steps {first}-{steps}, enlarged")
-        row[1].set_xlim(first, steps)
-        low, high = min(tails), max(tails)
-        row[1].set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
-        for ax in row:
-            ax.set_xlabel("step")
-            ax.set_ylabel("loss")
-            ax.grid(alpha=0.3)
-        row[0].legend(fontsize=7, loc="upper right")
+        curves = [(label[len(model) + 1:], run["losses"], _style(label[len(model) + 1:], run))
+                  for label, run in res["runs"].items()]
+        common.loss_panels(row, curves, res["steps"], window, title=f"{model}: ")
     fig.suptitle("O2 in bf16 with lean optimizer state (seed 0), against O2 with seeds 0, 1, 2",
                  fontsize=10)
     fig.tight_layout()

@@ -12,7 +12,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -118,3 +118,35 @@ def publish(name: str, body: str, write: bool = True) -> None:
     print(body)
     if write:
         print(f"wrote {write_section(name, body)}")
+
+
+def loss_panels(row: Sequence[Any], curves: Iterable[tuple[str, Sequence[float], dict]],
+                steps: int, window: int = 10, title: str = "") -> None:
+    """Training-loss curves on a pair of matplotlib axes: the whole run, and its last third
+    enlarged, each curve the mean of ``window`` steps.
+
+    Args:
+        row: the two axes.
+        curves: ``(label, losses of every step, plot style)`` per run.
+        steps (int): the runs' length.
+        window (int, optional): the smoothing window. Default: 10.
+        title (str, optional): put before the axes' titles (``"lm: "``). Default: none.
+    """
+    first = steps * 2 // 3
+    xs = list(range(window, steps + 1))
+    tails: list[float] = []
+    for label, losses, style in curves:
+        smooth = torch.tensor(losses).unfold(0, window, 1).mean(1).tolist()
+        for ax in row:
+            ax.plot(xs, smooth, label=label, **style)
+        tails += smooth[first - window + 1:]
+    row[0].set_title(f"{title}training loss (mean of {window} steps)")
+    row[1].set_title(f"{title}steps {first}-{steps}, enlarged")
+    row[1].set_xlim(first, steps)
+    low, high = min(tails), max(tails)
+    row[1].set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+    for ax in row:
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+    row[0].legend(fontsize=7, loc="upper right")
