@@ -9,6 +9,7 @@ the scaler, the optimizer machinery, FSDP preparation and gradient clipping.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 from typing import Any, Sequence
 
@@ -16,12 +17,18 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["GroupKey", "local_tensor", "local_tensors", "group_by_device_and_dtype", "shard_groups",
-           "sum_over_shards"]
+           "sum_over_shards", "device_of", "version_of"]
 
 #: The key of one group: the device and dtype of its tensors.
 GroupKey = tuple[torch.device, torch.dtype]
 
-_PLAIN = (Tensor, nn.Parameter)
+#: A tensor's device, and its version counter: ``operator.attrgetter`` s, so that
+#: ``map(device_of, tensors)`` reads a whole list in C (every step walks lists of grads).
+device_of = operator.attrgetter("device")
+version_of = operator.attrgetter("_version")
+
+#: The exact types that are never a DTensor: most lists hold nothing else.
+_PLAIN = frozenset((Tensor, nn.Parameter))
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -47,7 +54,7 @@ def local_tensor(t: Tensor) -> Tensor:
 
 
 def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
-    """:func:`local_tensor` of each; ``tensors`` itself while no DTensor can exist.
+    """:func:`local_tensor` of each; ``tensors`` itself (not a copy) when none is a DTensor.
 
     Args:
         tensors (list of Tensor): any tensors.
@@ -59,6 +66,8 @@ def local_tensors(tensors: list[Tensor]) -> list[Tensor]:
     # the fused ops' callers pass every grad of every iteration through here.
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:
+        return tensors
+    if _PLAIN.issuperset(map(type, tensors)):  # walked in C: the common case costs no loop
         return tensors
     dtensor = module.DTensor
     return [t._local_tensor if type(t) not in _PLAIN and isinstance(t, dtensor) else t
