@@ -40,6 +40,7 @@ from torch import Tensor
 
 from amp_patch import ops
 from amp_patch.helpers.tensors import (
+    device_of,
     group_by_device_and_dtype,
     local_tensors,
 )
@@ -93,16 +94,19 @@ class LossScaleCollapseError(RuntimeError):
 
 class _DeviceTensors:
     """The scaler's tensors on one device: ``found_inf`` (0.0 or 1.0), ``inv_scale`` (one
-    element, read by the fused kernels), ``scale`` (0-dim, multiplying the loss) and ``one``
-    (one element, 1.0: the factor of :meth:`flag_nonfinite`), all fp32."""
+    element, read by the fused kernels), ``scale`` (0-dim, multiplying the loss), ``one``
+    (one element, 1.0: the factor of :meth:`flag_nonfinite`) and ``unread_flag`` (one
+    element: what passes over grads whose overflow was already decided may raise, and
+    nothing reads; see :meth:`AmpScaler.snapshot`), all fp32."""
 
-    __slots__ = ("found_inf", "inv_scale", "scale", "one")
+    __slots__ = ("found_inf", "inv_scale", "scale", "one", "unread_flag")
 
     def __init__(self, device: torch.device, scale: float) -> None:
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self.inv_scale = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=device)
         self.scale = torch.full((), scale, dtype=torch.float32, device=device)
         self.one = torch.ones(1, dtype=torch.float32, device=device)
+        self.unread_flag = torch.zeros(1, dtype=torch.float32, device=device)
 
     def flag_nonfinite(self, tensors: list[Tensor]) -> None:
         """Raise ``found_inf`` if one of ``tensors`` holds an inf or NaN: one op, no sync.
@@ -367,9 +371,14 @@ class AmpScaler:
             >>> scaler.update()   # reads the flag on the host: True on overflow
             False
         """
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for g in local_tensors(list(grads)):
-            by_device.setdefault(g.device, []).append(g)
+        local = local_tensors(list(grads))
+        devices = set(map(device_of, local))  # read in C: one device is the usual case
+        if len(devices) == 1:
+            by_device = {devices.pop(): local}
+        else:
+            by_device = {}
+            for g in local:
+                by_device.setdefault(g.device, []).append(g)
         norms = {}
         for device, device_grads in by_device.items():
             norm = ops.multi_tensor_l2norm(device_grads)[0]
@@ -378,18 +387,21 @@ class AmpScaler:
         return norms
 
     def snapshot(self, device: torch.device) -> _DeviceTensors:
-        """This scale's tensors on ``device``, as tensors of their own, with a flag of its own.
+        """This scale's inverse on ``device`` as a tensor of its own, with a flag nothing reads.
 
         For grads read after the update (a deferred unscale, or the one-pass
-        step): the update may already have changed the scale, and a later pass
-        must not raise the next iteration's overflow flag. The copies are made
-        on the device (no sync).
+        step), whose overflow the update has already decided: the update (or a
+        scale set before the step) may change the scale's own tensors, and a
+        later pass must not raise the next iteration's overflow flag. One copy
+        is made, on the device (no sync): ``inv_scale``. The passes raise the
+        device's ``unread_flag`` and do not read ``scale``, which is shared.
 
         Args:
             device (torch.device): where the tensors live.
 
         Returns:
-            _DeviceTensors: ``found_inf`` (zero), ``inv_scale`` and ``scale`` (the current ones).
+            _DeviceTensors: ``inv_scale`` (a copy of the current one), ``found_inf`` (the
+            device's ``unread_flag``), ``scale`` and ``one`` (the device's own).
 
         Example::
 
@@ -399,10 +411,9 @@ class AmpScaler:
         """
         now = self.device_tensors(device)
         kept = _DeviceTensors.__new__(_DeviceTensors)
-        kept.found_inf = torch.zeros_like(now.found_inf)
+        kept.found_inf = kept.unread_flag = now.unread_flag
         kept.inv_scale = now.inv_scale.clone()
-        kept.scale = now.scale.clone()
-        kept.one = now.one
+        kept.scale, kept.one = now.scale, now.one
         return kept
 
     # --------------------------------------------------------------- updating

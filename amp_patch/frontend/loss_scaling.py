@@ -177,7 +177,8 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
                 record.collect_unscale(in_place, copy, accumulate)
             else:
                 deferred += 1
-        scaler.unscale(in_place, copy, accumulate)
+        if in_place or copy[0] or accumulate[0]:  # nothing left when every record deferred
+            scaler.unscale(in_place, copy, accumulate)
         if delay_overflow_check:
             return
         names = functools.partial(_nonfinite_names, session, records)

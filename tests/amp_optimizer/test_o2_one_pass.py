@@ -295,3 +295,51 @@ def test_writing_model_grads_before_the_step_warns(caplog):
     with caplog.at_level("WARNING", logger="amp_patch"):
         opt.step()
     assert "amp.master_params(optimizer)" in caplog.text
+
+
+def _one_pass_run(scale_between: float | None = None, clip_overflow: bool = False) -> list:
+    """Three one-pass O2 steps at a static fp16 scale of 128; step 0's grads hold an inf.
+
+    ``scale_between``: the scale set between step 1's exit and its step. ``clip_overflow``:
+    :func:`amp.master_params` is read between step 0's exit and its (skipped) step.
+    """
+    model = _model()
+    opt = fused.FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    amp.initialize(model, opt, opt_level="O2", half_dtype=torch.float16, loss_scale=128.0,
+                   verbosity=0)
+    history = []
+    for step in range(3):
+        x, y = mlp_batch(step)
+        with amp.scale_loss(xent(model(x.half()), y), opt) as scaled:
+            scaled.backward()
+            if step == 0:
+                model[0].weight.grad[0, 0] = float("inf")
+        if step == 0 and clip_overflow:
+            for _ in amp.master_params(opt):  # the deferred unscale, over the inf grads
+                pass
+        if step == 1 and scale_between is not None:
+            amp.session.current().scalers[0].loss_scale = scale_between
+        opt.step()
+        opt.zero_grad()
+        history.append(_trained(model, opt))
+    amp.deinitialize()
+    return history
+
+
+def test_a_scale_set_between_exit_and_step_leaves_that_step_alone():
+    """The step reads the grads times the inverse of the scale they were made with, kept at
+    the exit: a scale set after the exit is for the next iteration only."""
+    plain = _one_pass_run()
+    rescaled = _one_pass_run(scale_between=1000.0)
+    assert_identical(rescaled[1], plain[1])
+    assert not all(torch.equal(a, b) for a, b in zip(rescaled[2], plain[2]))  # then it differs
+
+
+def test_unscaling_overflowed_grads_after_the_exit_leaves_the_next_step_alone():
+    """The deferred unscale that master_params() runs over grads whose overflow the exit
+    already decided raises a flag nobody reads: the next iterations step as without it."""
+    plain = _one_pass_run()
+    clipped = _one_pass_run(clip_overflow=True)
+    for a, b in zip(clipped, plain):
+        assert_identical(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(plain[1], plain[0]))  # step 1 stepped
