@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from amp_patch import ops
-from amp_patch.helpers.tensors import group_by_device_and_dtype
+from amp_patch.helpers.tensors import group_by_device_and_dtype, version_of
 from amp_patch.optim.fused.state_format import SCALE_SUFFIX, SCALED_CODES
 from amp_patch.settings.dtypes import HALF_DTYPES
 
@@ -146,7 +146,8 @@ class MasterWeights:
         (:meth:`grad_storage`).
         """
         for master in self._master_of.values():
-            master.grad = None
+            if master.grad is not None:  # reading .grad costs less than setting it
+                master.grad = None
 
     # --------------------------------------------------------- master <-> model
 
@@ -164,8 +165,8 @@ class MasterWeights:
 
     def mark_written(self, params: Iterable[Tensor]) -> None:
         """Note that amp itself just wrote ``params``: :meth:`sync_from_model` leaves them."""
-        for p in params:
-            self._written_version[id(p)] = p._version
+        params = params if isinstance(params, (list, tuple)) else list(params)
+        self._written_version.update(zip(map(id, params), map(version_of, params)))
 
     @torch.no_grad()
     def sync_from_model(self, stepped: Iterable[Tensor]) -> None:
@@ -183,8 +184,10 @@ class MasterWeights:
 
     def sync_pairs(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
         """:meth:`sync_from_model` over ``(model param, master)`` pairs already found."""
+        written = self._written_version
         for model_p, master in pairs:
-            self._refresh(model_p, master)
+            if written.get(id(model_p)) != model_p._version:
+                self._refresh(model_p, master)
 
     def current_master(self, param: Tensor) -> Tensor | None:
         """The master of ``param``, refreshed first if the param was written from outside."""

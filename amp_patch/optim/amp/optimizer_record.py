@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 import torch
 from torch import Tensor
 
-from amp_patch.helpers.tensors import local_tensor, local_tensors
+from amp_patch.helpers.tensors import local_tensor, local_tensors, version_of
 from amp_patch.optim.amp.grad_state import GradState, GradStates
 from amp_patch.optim.amp.master_weights import MasterWeights, match_state_to_params
 from amp_patch.optim.amp.patched_methods import STEP_INPUTS, PatchedMethods
@@ -54,14 +54,14 @@ class _DeferredGrads:
             scaler's update may change its own) and a flag of its own.
         norms (dict or None): device to the L2 norm of ``grads`` there, from the check; None
             for sharded grads (the check reads only this rank's shards).
-        versions (list): ``(grad, version)`` at the exit, to notice a grad
-            written before the step.
+        versions (list): each grad's version counter at the exit, in ``grads``' order,
+            to notice a grad written before the step.
     """
 
     grads: dict[Tensor, Tensor]
     tensors: dict[torch.device, "_DeviceTensors"]
     norms: dict[torch.device, Tensor] | None
-    versions: list[tuple[Tensor, int]]
+    versions: list[int]
 
 
 class OptimizerRecord:
@@ -117,6 +117,7 @@ class OptimizerRecord:
         self._pairs_key: tuple = ()
         self._pairs_kept: list[tuple[Tensor, Tensor]] = []
         self._master_pairs_kept: list[tuple[Tensor, Tensor]] = []
+        self._model_params_kept: dict[Tensor, Tensor] = {}  # master -> model param
         self._methods = PatchedMethods(self, step_context)
         self._hook_handles: list[Any] = []
 
@@ -169,6 +170,7 @@ class OptimizerRecord:
             model_param = self.masters.model_param
             self._pairs_kept = [(model_param(p), p) for g in groups for p in g["params"]]
             self._master_pairs_kept = [(m, p) for m, p in self._pairs_kept if m is not p]
+            self._model_params_kept = {master: m for m, master in self._master_pairs_kept}
             self._pairs_key = key
         return self._pairs_kept
 
@@ -221,7 +223,7 @@ class OptimizerRecord:
                 if grad is not None and not _still_zero(zeroed.get(id(stepped)), grad):
                     self._stashed[id(stepped)] = grad
                     stepped.grad = None
-            else:
+            elif model_p.grad is not None:  # reading .grad costs less than setting it
                 model_p.grad = None
 
     def note_zeroed_grads(self) -> None:
@@ -299,10 +301,10 @@ class OptimizerRecord:
         local = local_tensors(values)
         norms = scaler.check(local)
         # The check's norms of sharded grads are this rank's part, not the whole's.
-        sharded = any(shard is not g for shard, g in zip(local, values))
+        sharded = local is not values and any(shard is not g for shard, g in zip(local, values))
         self._deferred_grads = _DeferredGrads(
             grads, {dev: scaler.snapshot(dev) for dev in norms}, None if sharded else norms,
-            [(g, g._version) for g in grads.values()])
+            list(map(version_of, values)))
         self.grads.move(GradState.DEFERRED, "scale_loss exit, for the one-pass step")
         return True
 
@@ -337,27 +339,31 @@ class OptimizerRecord:
         """Forget deferred grads whose step was skipped (an overflow)."""
         self._deferred_grads = None
 
-    def step_inputs(self) -> FusedStepInputs | None:
+    def step_inputs(self, found_inf: Tensor | None = None) -> FusedStepInputs | None:
         """What ``step()`` of an optimizer that takes step inputs reads, and writes besides params.
 
-        The half model params, written in the same pass as their masters; with
-        deferred grads, also those grads, the exit's inverse scale and the
-        check's norms. None for other optimizers.
+        The half model params, written in the same pass as their masters (a
+        mapping kept from step to step while the pairs stay, to be read, not
+        changed); with deferred grads, also those grads, the exit's inverse
+        scale and the check's norms; and ``found_inf``, the device flag the
+        step skips on. None for other optimizers.
         """
         if not self.takes_step_inputs:
             return None
-        model_params = {master: model_p for model_p, master in self.master_pairs()}
+        self._pairs()
+        model_params = self._model_params_kept
         deferred, self._deferred_grads = self._deferred_grads, None
         if deferred is None:
-            return FusedStepInputs(model_params=model_params)
+            return FusedStepInputs(model_params=model_params, found_inf=found_inf)
         self._warn_if_grads_written(deferred)
         first = next(iter(deferred.tensors.values()), None)
         return FusedStepInputs(grads=deferred.grads, model_params=model_params,
                                inv_scale=None if first is None else first.inv_scale,
-                               grad_norms=deferred.norms)
+                               found_inf=found_inf, grad_norms=deferred.norms)
 
     def _warn_if_grads_written(self, deferred: _DeferredGrads) -> None:
-        if self._warned_grad_write or all(g._version == v for g, v in deferred.versions):
+        if self._warned_grad_write or (
+                list(map(version_of, deferred.grads.values())) == deferred.versions):
             return
         self._warned_grad_write = True
         logger.warning(
@@ -422,6 +428,7 @@ class OptimizerRecord:
     def _forget_pairs(self) -> None:
         """Drop :meth:`_pairs`'s lists (and their references to the params)."""
         self._pairs_key, self._pairs_kept, self._master_pairs_kept = (), [], []
+        self._model_params_kept = {}
 
     def restore(self) -> None:
         """Undo :meth:`install`: original methods back, hooks removed, model params back in

@@ -20,7 +20,6 @@ state tensor, including the step counters (docs/design.md, "Host syncs").
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import types
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol
@@ -68,7 +67,7 @@ class StepRecord(Protocol):
     def optimizer_or_none(self) -> torch.optim.Optimizer | None: ...
     def stepped_params(self) -> Iterator[Tensor]: ...
     def master_pairs(self) -> list[tuple[Tensor, Tensor]]: ...
-    def step_inputs(self) -> FusedStepInputs | None: ...
+    def step_inputs(self, found_inf: Tensor | None = None) -> FusedStepInputs | None: ...
     def drop_deferred(self) -> None: ...
     def forget_stashed_grads(self) -> None: ...
     def note_zeroed_grads(self) -> None: ...
@@ -176,11 +175,13 @@ class PatchedMethods:
                 "optimizer.step(closure) is not supported with master weights: the closure's "
                 "backward would not reach the fp32 masters. Call scale_loss and step() directly."
             )
-        inputs = record.step_inputs()
+        step_inputs = getattr(opt, STEP_INPUTS, None)
+        flag_in_inputs = found_inf is not None and callable(step_inputs)
+        inputs = record.step_inputs(found_inf if flag_in_inputs else None)
         with self._step_context():
-            if found_inf is not None and callable(getattr(opt, STEP_INPUTS, None)):
-                inputs = dataclasses.replace(inputs or FusedStepInputs(), found_inf=found_inf)
-                with getattr(opt, STEP_INPUTS)(inputs):
+            if flag_in_inputs:
+                inputs = inputs or FusedStepInputs(found_inf=found_inf)
+                with step_inputs(inputs):
                     out = wrapped(*args, **kwargs)
                 inputs = None if inputs.model_params is None else inputs
             elif found_inf is not None:
@@ -188,7 +189,7 @@ class PatchedMethods:
             elif inputs is None:
                 out = wrapped(*args, **kwargs)
             else:
-                with getattr(opt, STEP_INPUTS)(inputs):
+                with step_inputs(inputs):
                     out = wrapped(*args, **kwargs)
         if len(masters):
             if inputs is None:
