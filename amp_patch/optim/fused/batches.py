@@ -24,7 +24,12 @@ import torch
 from torch import Tensor
 
 from amp_patch.helpers.tensors import local_tensors
-from amp_patch.optim.fused.state_format import SCALE_SUFFIX, QuantizedState, StateFormat
+from amp_patch.optim.fused.state_format import (
+    SCALE_SUFFIX,
+    SCALED_CODES,
+    QuantizedState,
+    StateFormat,
+)
 
 __all__ = ["FusedStepInputs", "Batch", "StateLists", "build_batches", "to_device"]
 
@@ -134,14 +139,16 @@ def build_batches(opt: _Source, group: dict[str, Any], split: Callable[[Tensor],
     made (zeros) or converted to the code the optimizer asks
     (``_state_codes``) as it is gathered.
     """
+    # Every step of every group passes here: the loops keep to locals.
     rows: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor, Tensor | None]]] = {}
+    grad_of, target_of = opt._grad_of, opt._target
     for p in group["params"]:
-        grad = opt._grad_of(p)
+        grad = grad_of(p)
         if grad is None:
             continue
         if grad.is_sparse:
             raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients")
-        target, out = opt._target(p)
+        target, out = target_of(p)
         key = (p.device, out is not None, split(p) if split is not None else None)
         rows.setdefault(key, []).append((p, target, grad, out))
     inputs = opt._inputs
@@ -150,33 +157,38 @@ def build_batches(opt: _Source, group: dict[str, Any], split: Callable[[Tensor],
     names = [(name, name + SCALE_SUFFIX) for name in state]
     batches = []
     for (device, _, split_value), members in rows.items():
-        keys = [p for p, _, _, _ in members]
-        stepped = [s for _, s, _, _ in members]
-        grads = [g for _, _, g, _ in members]
-        outs = [o for _, _, _, o in members if o is not None]
+        keys, stepped, grads, outs = (list(column) for column in zip(*members))
+        if outs[0] is None:  # the key keeps params with and without a model copy apart
+            outs = []
         low = fmt.low_precision or (
             opt.stochastic_rounding and any(s.dtype == torch.bfloat16 for s in stepped))
         # The codes follow the dtype of the tensor stepped and the format's codes, which
-        # the split keeps alike within a batch: asked once per stepped dtype.
-        by_dtype: dict[torch.dtype, tuple[torch.dtype | None, ...]] = {}
-        codes = [by_dtype.get(s.dtype) or by_dtype.setdefault(s.dtype, opt._state_codes(p, s, low))
-                 for p, s in zip(keys, stepped)]
-        # The codes and scales as stored, when stored as asked (every step but the first):
-        # read from state[p] directly, with no QuantizedState made per tensor and key.
+        # the split keeps alike within a batch: asked once per stepped dtype, with whether
+        # each code keeps scales beside it.
+        by_dtype: dict[torch.dtype, tuple[tuple[torch.dtype | None, bool], ...]] = {}
         kept_codes: list[list[Tensor]] = [[] for _ in state]
         kept_scales: list[list[Tensor]] = [[] for _ in state]
-        for p, s, c in zip(keys, stepped, codes):
+        for p, s in zip(keys, stepped):
+            wants = by_dtype.get(s.dtype)
+            if wants is None:
+                wants = by_dtype[s.dtype] = tuple(
+                    (want, want is not None and want in SCALED_CODES)
+                    for want in opt._state_codes(p, s, low))
             entry = states[p]
-            for i, (name, scale_name) in enumerate(names):
-                data, want = entry.get(name), c[i]
+            # The codes and scales as stored, when stored as asked (every step but the
+            # first, :meth:`QuantizedState.stored_in`): read from the entry directly, with
+            # no QuantizedState made per tensor and key.
+            for (name, scale_name), (want, scaled), codes_of, scales_of in zip(
+                    names, wants, kept_codes, kept_scales):
+                data = entry.get(name)
                 scales = entry.get(scale_name) if data is not None else None
-                if data is None or not (want is None
-                                        or QuantizedState.stored_in(data, scales, want)):
+                if data is None or not (want is None or (
+                        data.dtype == want and (scales is not None) == scaled)):
                     made = opt.state_in_code(p, name, want, like=s)
                     data, scales = made.codes, made.scales
-                kept_codes[i].append(data)
+                codes_of.append(data)
                 if scales is not None:
-                    kept_scales[i].append(scales)
+                    scales_of.append(scales)
         lists = [StateLists(local_tensors(kept_codes[i]), local_tensors(kept_scales[i]))
                  for i in range(len(state))]
         batches.append(Batch(
