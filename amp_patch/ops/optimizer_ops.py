@@ -144,7 +144,10 @@ def adam_bias_corrections(beta1: float, beta2: float, step: Tensor, enabled: boo
         return torch.ones(2, dtype=torch.float32, device=step.device)
     if betas is None:
         betas = fp32_betas(beta1, beta2, step.device)
-    return (1.0 - betas.pow(step.reshape(1).double())).float()
+    # pow takes the counter as it is (float64 base: the power is float64), and broadcasts it:
+    # three ops, the fewest for a step that may run captured or launch-bound.
+    exponent = step if step.dim() <= 1 else step.reshape(1)
+    return torch.rsub(betas.pow(exponent), 1.0).to(torch.float32)
 
 
 def fp32_betas(beta1: float, beta2: float, device: torch.device) -> Tensor:

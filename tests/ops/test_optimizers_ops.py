@@ -304,6 +304,21 @@ def test_adam_device_bias_corrections_equal_the_host_step(device, step, bias_cor
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0-dim", "1", "1x1"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32])
+def test_adam_bias_corrections_take_any_one_element_counter(device, shape, dtype):
+    """Any one-element counter (Apex's int32 (1,), a 0-dim one, torch's float32) gives the
+    float64 ``1 - beta**step`` of the betas rounded to fp32, rounded once to fp32."""
+    betas = torch.tensor([0.9, 0.999], dtype=torch.float32).double()
+    for step in (1, 2, 165, 1000, 123457):
+        counter = torch.full(shape, step, dtype=dtype, device=device)
+        got = ops.adam_bias_corrections(0.9, 0.999, counter, True)
+        want = (1.0 - betas ** float(step)).float()
+        assert got.shape == (2,) and got.dtype == torch.float32
+        assert torch.equal(got.cpu(), want), (step, got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_adam_bias_corrections_are_checked(device):
     name, args = _adam_args("mixed", "master", device)
     for bad, match in [(torch.ones(3, device=device), "2 elements"),

@@ -64,7 +64,9 @@ def device_step(group: dict[str, Any], found_inf: Tensor) -> Tensor:
         step = group["step"] = torch.tensor([step or 0], dtype=torch.int32).to(
             device, non_blocking=True)
     found = found_inf.to(step.device, non_blocking=True)
-    step.add_(found.reshape(step.shape) == 0)
+    if found.shape != step.shape:
+        found = found.reshape(step.shape)
+    step.add_(found == 0)
     return step
 
 
