@@ -184,10 +184,8 @@ class MasterWeights:
 
     def sync_pairs(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
         """:meth:`sync_from_model` over ``(model param, master)`` pairs already found."""
-        written = self._written_version
         for model_p, master in pairs:
-            if written.get(id(model_p)) != model_p._version:
-                self._refresh(model_p, master)
+            self._refresh(model_p, master)
 
     def current_master(self, param: Tensor) -> Tensor | None:
         """The master of ``param``, refreshed first if the param was written from outside."""

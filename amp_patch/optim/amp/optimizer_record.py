@@ -50,8 +50,9 @@ class _DeferredGrads:
     Attributes:
         grads (dict): stepped tensor (a master, or a param stepped directly)
             to its grad as stored (the half model grad, for a master).
-        tensors (dict): device to the exit's ``inv_scale`` (a copy: the
-            scaler's update may change its own) and a flag of its own.
+        tensors (dict): device to the exit's ``inv_scale`` (a copy: the scaler's update
+            may change its own) and the flag the deferred passes raise, which nothing reads
+            (:meth:`AmpScaler.snapshot`).
         norms (dict or None): device to the L2 norm of ``grads`` there, from the check; None
             for sharded grads (the check reads only this rank's shards).
         versions (list): each grad's version counter at the exit, in ``grads``' order,
