@@ -271,14 +271,27 @@ AMP_OPTIM_HD uint16_t stochastic_bf16_bits(uint32_t u, uint32_t r) {
 // away: x / 1 is x in IEEE arithmetic (no flush-to-zero here), so its division,
 // the dearest operation of the rule, is skipped without changing a bit.
 template <typename T>
-AMP_OPTIM_FN T adam_direction(const T& m, const T& v, const T& p, const AdamHyper& h) {
-  const T m_hat = h.bias_correction1 == 1.0f ? m : m / T(h.bias_correction1);
-  const T v_hat = h.bias_correction2 == 1.0f ? v : v / T(h.bias_correction2);
+AMP_OPTIM_FN T bias_corrected(const T& x, float correction) {
+  return correction == 1.0f ? x : x / T(correction);
+}
+
+// The direction from the bias-corrected moments m / bc1 and v / bc2 (which
+// the CPU's Adam loops divide in a way of their own, to the same bits: see
+// csrc/cpu/optim_rule_loops.h's FixedDivisor).
+template <typename T>
+AMP_OPTIM_FN T adam_direction_corrected(const T& m_hat, const T& v_hat, const T& p,
+                                        const AdamHyper& h) {
   T u = m_hat / (sqrt_rn(v_hat) + T(h.eps));
   if (h.adam_w_mode && h.weight_decay != 0.0f) {
     u = u + T(h.weight_decay) * p;
   }
   return u;
+}
+
+template <typename T>
+AMP_OPTIM_FN T adam_direction(const T& m, const T& v, const T& p, const AdamHyper& h) {
+  return adam_direction_corrected(bias_corrected(m, h.bias_correction1),
+                                  bias_corrected(v, h.bias_correction2), p, h);
 }
 
 // Adam's moments from an unscaled grad (plus L2 decay when not in AdamW mode).
@@ -300,8 +313,15 @@ AMP_OPTIM_FN void adam_update_moments(const T& g, const T& p, T& m, T& v, const 
 }
 
 template <typename T>
+AMP_OPTIM_FN void adam_update_param_corrected(T& p, const T& m_hat, const T& v_hat,
+                                              const AdamHyper& h) {
+  p = p - T(h.lr) * adam_direction_corrected(m_hat, v_hat, p, h);
+}
+
+template <typename T>
 AMP_OPTIM_FN void adam_update_param(T& p, const T& m, const T& v, const AdamHyper& h) {
-  p = p - T(h.lr) * adam_direction(m, v, p, h);
+  adam_update_param_corrected(p, bias_corrected(m, h.bias_correction1),
+                              bias_corrected(v, h.bias_correction2), h);
 }
 
 // Adam / AdamW. adam_w_mode: decoupled weight decay; else L2 added to the grad.

@@ -24,6 +24,7 @@ inline at::vec::Vectorized<float> sqrt_rn(const at::vec::Vectorized<float>& x) {
 }  // namespace amp_patch::optim
 
 #include "cpu/optim_table.h"
+#include "cpu/vec_loops.h"
 
 namespace amp_patch::cpu {
 namespace CPU_CAPABILITY {
@@ -65,6 +66,57 @@ inline double lane_sum(const FVec& acc) {
   return total;
 }
 
+// Division by one of Adam's bias corrections d, as optim::bias_corrected
+// divides (nothing when d is 1), made once per loop. For d in (0, 1] on AVX2
+// and AVX-512, x is widened to float64, multiplied by 1 / d (float64, computed
+// here once) and rounded once to fp32: the division's bits for every x, zeros,
+// infinities and NaN included. The float64 product is within 2**-52 of x / d,
+// relative, and a quotient of two fp32 values with 0 < d <= 1 is never an fp32
+// rounding midpoint and lies at least 2**-49 from one (the argument is in
+// docs/optimizers.md, "Dividing by a bias correction"). Two conversions each
+// way and two multiplies take the place of a division, whose unit the rule's
+// square root and other division also need. Other divisors, and the build
+// without AVX2, divide. Round-to-nearest (the default, which torch never
+// changes) is assumed, as by every rule here.
+class FixedDivisor {
+ public:
+  explicit FixedDivisor(float d)
+      : d_(d), inverse_(d > 0.0f && d <= 1.0f ? 1.0 / static_cast<double>(d) : 0.0) {}
+
+  AMP_CPU_INLINE FVec operator()(const FVec& x) const {
+    if (d_ == 1.0f) {
+      return x;
+    }
+#if defined(CPU_CAPABILITY_AVX512)
+    if (inverse_ != 0.0) {
+      const __m512d inv = _mm512_set1_pd(inverse_);
+      const __m512 v = x;
+      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+      const __m512d hi =
+          _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+      const __m256 qlo = _mm512_cvtpd_ps(_mm512_mul_pd(lo, inv));
+      const __m256 qhi = _mm512_cvtpd_ps(_mm512_mul_pd(hi, inv));
+      return _mm512_insertf32x8(_mm512_castps256_ps512(qlo), qhi, 1);
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if (inverse_ != 0.0) {
+      const __m256d inv = _mm256_set1_pd(inverse_);
+      const __m256 v = x;
+      const __m128 qlo =
+          _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), inv));
+      const __m128 qhi =
+          _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), inv));
+      return _mm256_insertf128_ps(_mm256_castps128_ps256(qlo), qhi, 1);
+    }
+#endif
+    return x / FVec(d_);
+  }
+
+ private:
+  float d_;
+  double inverse_;  // 1 / d_ when d_ is in (0, 1], else 0 (divide)
+};
+
 // Each loop copies its hyper-parameters into a local first: the stores through
 // the float pointers could alias a struct behind a reference, so the compiler
 // would reload every field (and re-test every flag) once per vector.
@@ -75,6 +127,7 @@ template <bool kLean>
 void adam_tile_loop(const float* g, float* p, float* m, float* v, int64_t n,
                     const optim::AdamHyper& hyper) {
   const optim::AdamHyper h = hyper;
+  const FixedDivisor bc1(h.bias_correction1), bc2(h.bias_correction2);
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c), mv = load(m + i, c), vv = load(v + i, c);
     // The moments are stored before the param's division and square-root chain:
@@ -86,7 +139,7 @@ void adam_tile_loop(const float* g, float* p, float* m, float* v, int64_t n,
     if constexpr (kLean) {
       optim::adam_lean_param(pv, mv, vv, h);
     } else {
-      optim::adam_update_param(pv, mv, vv, h);
+      optim::adam_update_param_corrected(pv, bc1(mv), bc2(vv), h);
     }
     pv.store(p + i, c);
   });
@@ -103,6 +156,7 @@ template <typename G, typename M>
 void adam_mixed_loop(const void* grads, float* p, float* m, float* v, void* model, int64_t n,
                      const optim::AdamHyper& hyper) {
   const optim::AdamHyper h = hyper;
+  const FixedDivisor bc1(h.bias_correction1), bc2(h.bias_correction2);
   const G* g = static_cast<const G*>(grads);
   for_blocks(0, n, [&](int64_t i, int64_t c) {
     FVec gv[2], pv[2];
@@ -114,7 +168,7 @@ void adam_mixed_loop(const void* grads, float* p, float* m, float* v, void* mode
       optim::adam_update_moments(gv[k], pk, mk, vk, h);
       mk.store(m + at, ck);
       vk.store(v + at, ck);
-      optim::adam_update_param(pk, mk, vk, h);
+      optim::adam_update_param_corrected(pk, bc1(mk), bc2(vk), h);
       pk.store(p + at, ck);
       pv[k] = pk;
     }

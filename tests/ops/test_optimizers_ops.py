@@ -304,6 +304,56 @@ def test_adam_device_bias_corrections_equal_the_host_step(device, step, bias_cor
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("beta1", [0.9, 0.999, 0.5, 0.99999])
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 100, 1000, 16000])
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["ieee", "flush_denormal"])
+def test_adam_divides_by_its_bias_correction_to_the_bit(device, beta1, step, flush_denormal):
+    """The quotient ``m / bc1`` is the true division's for moments of every magnitude.
+
+    The CPU kernels multiply by ``1 / bc1`` in float64 instead of dividing
+    (docs/optimizers.md, "Dividing by a bias correction"). With a zero grad, a
+    zero second moment, ``eps`` 1, ``lr`` -1 and no decay, the new param of a
+    zero param is the quotient itself, so its bits are compared, for random
+    fp32 bit patterns (every exponent, subnormals, infinities, NaN) and the
+    values around the subnormal range, against ``torch``'s division; also with
+    denormals flushed (``torch.set_flush_denormal``), where both flush alike.
+    """
+    threads = torch.get_num_threads()
+    if flush_denormal:
+        if device != "cpu" or not torch.set_flush_denormal(True):
+            pytest.skip("flushing denormals is a CPU mode, and this CPU has none")
+        # The mode is the calling thread's: one thread keeps every op in it.
+        torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(step)
+        bits = torch.randint(-2**31, 2**31, (1 << 16,), generator=gen, dtype=torch.int64)
+        edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45,
+                              1.1754942e-38, 1.1754944e-38, -1.1754943e-38, 3.4028235e38, 1e-40])
+        m = torch.cat([bits.to(torch.int32).view(torch.float32), edges,
+                       torch.finfo(torch.float32).tiny * torch.rand(4096, generator=gen)]).to(device)
+        zeros = torch.zeros_like(m)
+        b1 = torch.tensor(beta1, dtype=torch.float32)  # the ops round betas to fp32 first
+        bc1 = torch.tensor(1.0 - b1.item() ** step, dtype=torch.float64).float()
+        expected = (b1 * m.cpu()) / bc1
+        params, exp_avg = [zeros.clone()], [m.clone()]
+        torch.ops.amp_patch.multi_tensor_adam_([zeros.clone()], params, exp_avg, [zeros.clone()],
+                                               [], None, None, -1.0, beta1, 0.999, 1.0, 0.0, step,
+                                               True, True)
+        got = params[0].cpu()
+        nonzero = expected != 0  # 0 - (-1 * -0.0) is +0.0: the zeros' signs are the rule's
+        assert_bitwise([got[nonzero]], [expected[nonzero]])
+        assert torch.equal(got[~nonzero], torch.zeros_like(got[~nonzero]))
+        ref = [zeros.clone()], [m.clone()]
+        optimizer_ops._OPTIM_REFERENCE["multi_tensor_adam_"](
+            [zeros.clone()], ref[0], ref[1], [zeros.clone()], [], None, None, -1.0, beta1, 0.999,
+            1.0, 0.0, step, True, True)
+        assert_bitwise(params, ref[0])
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0-dim", "1", "1x1"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32])
 def test_adam_bias_corrections_take_any_one_element_counter(device, shape, dtype):
