@@ -119,6 +119,7 @@ class OptimizerRecord:
         self._pairs_kept: list[tuple[Tensor, Tensor]] = []
         self._master_pairs_kept: list[tuple[Tensor, Tensor]] = []
         self._model_params_kept: dict[Tensor, Tensor] = {}  # master -> model param
+        self._model_list_kept: list[Tensor] = []  # the pairs' model params, in order
         self._methods = PatchedMethods(self, step_context)
         self._hook_handles: list[Any] = []
 
@@ -172,6 +173,7 @@ class OptimizerRecord:
             self._pairs_kept = [(model_param(p), p) for g in groups for p in g["params"]]
             self._master_pairs_kept = [(m, p) for m, p in self._pairs_kept if m is not p]
             self._model_params_kept = {master: m for m, master in self._master_pairs_kept}
+            self._model_list_kept = [m for m, _ in self._pairs_kept]
             self._pairs_key = key
         return self._pairs_kept
 
@@ -218,7 +220,10 @@ class OptimizerRecord:
         zeroed, self._zeroed_grads = self._zeroed_grads, {}
         if not self.grads.enter_block(delay_unscale):
             return
-        for model_p, stepped in self._pairs():
+        pairs = self._pairs()
+        if all(p.grad is None for p in self._model_list_kept):
+            return  # no grad anywhere (zero_grad set them to None): nothing to move
+        for model_p, stepped in pairs:
             if model_p is stepped:
                 grad = stepped.grad
                 if grad is not None and not _still_zero(zeroed.get(id(stepped)), grad):
@@ -429,7 +434,7 @@ class OptimizerRecord:
     def _forget_pairs(self) -> None:
         """Drop :meth:`_pairs`'s lists (and their references to the params)."""
         self._pairs_key, self._pairs_kept, self._master_pairs_kept = (), [], []
-        self._model_params_kept = {}
+        self._model_params_kept, self._model_list_kept = {}, []
 
     def restore(self) -> None:
         """Undo :meth:`install`: original methods back, hooks removed, model params back in
