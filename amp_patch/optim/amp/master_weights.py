@@ -222,6 +222,9 @@ class MasterWeights:
         keeps the state as it is, so that nothing is rounded away.
         """
         keep = getattr(optimizer, "LEAN_STATE", False)
+        forget = getattr(optimizer, "forget_kept_batches", None)
+        if forget is not None:  # a fused optimizer's batches hold the masters and their state
+            forget()
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):

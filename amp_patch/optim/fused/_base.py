@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from amp_patch.optim.fused import state_format as _formats
-from amp_patch.optim.fused.batches import Batch, FusedStepInputs, build_batches
+from amp_patch.optim.fused.batches import Batch, FusedStepInputs, KeptBatches, build_batches
 from amp_patch.optim.fused.norms import grad_norms
 from amp_patch.optim.fused.state_format import SCALE_SUFFIX, QuantizedState, StateFormat
 from amp_patch.optim.fused.steps import found_inf_read, grad_scaler_inputs
@@ -74,6 +74,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self._inputs: FusedStepInputs | None = None
+        #: id(group) -> the batches its last step built, kept (:meth:`_batches`).
+        self._kept_batches: dict[int, KeptBatches] = {}
         #: The seed of the stochastic rounding of bf16 params (see :meth:`set_state_format`).
         self.rounding_seed = 0
         self.stochastic_rounding = False
@@ -169,6 +171,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             >>> opt.state[half_param]["exp_avg"].dtype
             torch.float32
         """
+        self.forget_kept_batches()
         saved = state_dict["state"]
         flat = [p for group in self.param_groups for p in group["params"]]
         super().load_state_dict(state_dict)
@@ -244,8 +247,40 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _batches(self, group: dict[str, Any], split: Callable[[Tensor], Any] | None = None,
                  state: tuple[str, ...] = ()) -> list[Batch]:
         """The op calls of ``group``'s step (:func:`~amp_patch.optim.fused.batches.build_batches`),
-        with the state under the keys ``state`` in the codes of :meth:`_state_codes`."""
-        return build_batches(self, group, split, state)
+        with the state under the keys ``state`` in the codes of :meth:`_state_codes`.
+
+        The batches of the group's last step are kept and made again with this
+        step's grads when nothing else changed
+        (:class:`~amp_patch.optim.fused.batches.KeptBatches`). Not under
+        ``torch.compile``, whose graph holds the lists itself, and not for an
+        optimizer that keeps masters of its own.
+        """
+        if self.master_weights or torch.compiler.is_compiling():
+            return build_batches(self, group, split, state)
+        kept = self._kept_batches.get(id(group))
+        if kept is not None:
+            batches = kept.rebuild(self, group, split, state)
+            if batches is not None:
+                return batches
+        batches = build_batches(self, group, split, state)
+        # A split made anew at every step (SGD's, of this step's new buffers) is never kept.
+        if kept is None or kept.split == split:
+            self._kept_batches[id(group)] = KeptBatches(self, group, split, state, batches)
+        return batches
+
+    def forget_kept_batches(self) -> None:
+        """Drop the batches kept from the last step (:meth:`_batches`), and with them their
+        references to the params and state: for whoever takes those from the optimizer.
+
+        Example::
+
+            >>> from amp_patch.optim.fused import FusedAdam
+            >>> opt = FusedAdam(model.parameters(), lr=1e-3)
+            >>> loss_fn(model(x), y).backward()
+            >>> opt.step()                 # keeps its batches for the next step
+            >>> opt.forget_kept_batches()
+        """
+        self._kept_batches.clear()
 
     def _state_codes(self, key: Tensor, stepped: Tensor,
                      low_precision: bool) -> tuple[torch.dtype | None, ...]:
