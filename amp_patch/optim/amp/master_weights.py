@@ -145,7 +145,10 @@ class MasterWeights:
         this one's master grads. The storage stays for the next iteration
         (:meth:`grad_storage`).
         """
-        for master in self._master_of.values():
+        masters = self._master_of.values()
+        if all(master.grad is None for master in masters):  # the one-pass step made none
+            return
+        for master in masters:
             if master.grad is not None:  # reading .grad costs less than setting it
                 master.grad = None
 
@@ -184,6 +187,11 @@ class MasterWeights:
 
     def sync_pairs(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
         """:meth:`sync_from_model` over ``(model param, master)`` pairs already found."""
+        pairs = pairs if isinstance(pairs, (list, tuple)) else list(pairs)
+        models = [model_p for model_p, _ in pairs]
+        # Every version as amp wrote it (each step but after an outside write): read in C.
+        if list(map(self._written_version.get, map(id, models))) == list(map(version_of, models)):
+            return
         for model_p, master in pairs:
             self._refresh(model_p, master)
 
