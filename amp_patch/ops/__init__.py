@@ -39,6 +39,7 @@ from amp_patch.ops.lean_state_ops import (
 )
 from amp_patch.ops.optimizer_ops import (
     adam_bias_corrections,
+    adam_device_step_,
     fp32_betas,
     multi_tensor_adagrad_,
     multi_tensor_adam_,
@@ -71,6 +72,7 @@ __all__ = [
     # fused optimizer steps
     "multi_tensor_adam_",
     "adam_bias_corrections",
+    "adam_device_step_",
     "fp32_betas",
     "multi_tensor_sgd_",
     "multi_tensor_adagrad_",

@@ -31,6 +31,7 @@ from amp_patch.ops._library import _check_rows, _ops, register
 
 __all__ = [
     "adam_bias_corrections",
+    "adam_device_step_",
     "fp32_betas",
     "multi_tensor_adam_",
     "multi_tensor_sgd_",
@@ -75,6 +76,10 @@ _OPTIM_SCHEMAS = {
         "Tensor param_norms, Tensor update_norms, Tensor(b!)[] model_params, Tensor? noop, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, int step, bool bias_correction, "
         "bool adam_w_mode, bool use_nvlamb) -> ()"
+    ),
+    "adam_device_step_": (
+        "adam_device_step_(Tensor(a!) step, Tensor found_inf, Tensor betas, bool bias_correction) "
+        "-> Tensor"
     ),
 }
 
@@ -148,6 +153,53 @@ def adam_bias_corrections(beta1: float, beta2: float, step: Tensor, enabled: boo
     # three ops, the fewest for a step that may run captured or launch-bound.
     exponent = step if step.dim() <= 1 else step.reshape(1)
     return torch.rsub(betas.pow(exponent), 1.0).to(torch.float32)
+
+
+def _adam_device_step_ref(step: Tensor, found_inf: Tensor, betas: Tensor,
+                          bias_correction: bool) -> Tensor:
+    if step.numel() != 1 or found_inf.numel() != 1:
+        raise RuntimeError("amp_patch::adam_device_step_: step and found_inf must have one element "
+                           f"each, got {step.numel()} and {found_inf.numel()}")
+    if betas.dtype != torch.float64 or betas.numel() != 2:
+        raise RuntimeError("amp_patch::adam_device_step_: betas must be float64 with 2 elements, "
+                           f"got {betas.dtype} with {betas.numel()}")
+    step.add_(found_inf.reshape(step.shape) == 0)
+    return adam_bias_corrections(0.0, 0.0, step, bias_correction, betas)
+
+
+def _adam_device_step_fake(step: Tensor, found_inf: Tensor, betas: Tensor,
+                           bias_correction: bool) -> Tensor:
+    return torch.empty(2, dtype=torch.float32, device=step.device)
+
+
+def adam_device_step_(step: Tensor, found_inf: Tensor, betas: Tensor,
+                      bias_correction: bool) -> Tensor:
+    """Advance a step counter kept on the device unless ``found_inf`` is set, and return Adam's
+    bias corrections of the new count: one op, nothing read back to the host.
+
+    The same as ``step.add_(found_inf == 0)`` followed by :func:`adam_bias_corrections`
+    (the reference body), in one kernel on the CPU and on CUDA.
+
+    Args:
+        step (Tensor): the counter, one element of any real dtype; incremented in place.
+        found_inf (Tensor): one-element float32 flag on ``step``'s device; non-zero (NaN
+            included) leaves the counter as it is.
+        betas (Tensor): ``(beta1, beta2)`` rounded to fp32, as float64
+            (:func:`fp32_betas`), on ``step``'s device.
+        bias_correction (bool): False gives ``(1, 1)``.
+
+    Returns:
+        Tensor: float32, ``(bc1, bc2)``, on ``step``'s device.
+
+    Example::
+
+        >>> step = torch.zeros(1, dtype=torch.int32)
+        >>> adam_device_step_(step, torch.zeros(1), fp32_betas(0.9, 0.999, step.device), True)
+        tensor([0.1000, 0.0010])
+        >>> adam_device_step_(step, torch.ones(1), fp32_betas(0.9, 0.999, step.device), True), step
+        (tensor([0.1000, 0.0010]), tensor([1], dtype=torch.int32))
+    """
+    return _ops.adam_device_step_(step, found_inf, betas, bias_correction)
 
 
 def fp32_betas(beta1: float, beta2: float, device: torch.device) -> Tensor:
@@ -306,8 +358,10 @@ _OPTIM_REFERENCE: dict[str, Callable[..., Any]] = {
     "multi_tensor_novograd_": _novograd_ref,
     "multi_tensor_lamb_stage1_": _lamb_stage1_ref,
     "multi_tensor_lamb_stage2_": _lamb_stage2_ref,
+    "adam_device_step_": _adam_device_step_ref,
 }
-_OPTIM_FAKES: dict[str, Callable[..., Any]] = {"multi_tensor_lamb_stage1_": ref.lamb_norms_fake}
+_OPTIM_FAKES: dict[str, Callable[..., Any]] = {"multi_tensor_lamb_stage1_": ref.lamb_norms_fake,
+                                               "adam_device_step_": _adam_device_step_fake}
 register(_OPTIM_SCHEMAS, _OPTIM_REFERENCE, _OPTIM_FAKES)
 
 

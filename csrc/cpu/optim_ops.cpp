@@ -14,6 +14,7 @@
 //
 // A set `noop` flag (Apex's noop_gmem, amp_patch's found_inf) makes an op
 // return before it writes anything, so a skipped step never half-applies.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -943,8 +944,48 @@ struct CpuBackend {
 }  // namespace
 }  // namespace amp_patch::cpu
 
+namespace amp_patch::cpu {
+
+// adam_device_step_ on the CPU: the counter and the flag are read and written
+// here, and the corrections are the host step's (optim::bias_correction), so
+// that a device-kept counter gives the bits of a host int.
+at::Tensor adam_device_step_cpu(const at::Tensor& step, const at::Tensor& found_inf,
+                                const at::Tensor& betas, bool bias_correction) {
+  constexpr const char* op = "adam_device_step_";
+  check_cpu(step, op, "step");
+  check_cpu(found_inf, op, "found_inf");
+  check_cpu(betas, op, "betas");
+  AMP_CHECK(step.numel() == 1 && found_inf.numel() == 1, "amp_patch::", op,
+            ": step and found_inf must have one element each, got ", step.numel(), " and ",
+            found_inf.numel());
+  AMP_CHECK(found_inf.scalar_type() == at::kFloat, "amp_patch::", op,
+            ": found_inf must be float32, got ", found_inf.scalar_type());
+  AMP_CHECK(betas.scalar_type() == at::kDouble && betas.numel() == 2 && betas.is_contiguous(),
+            "amp_patch::", op, ": betas must be a contiguous float64 tensor of 2 elements, got ",
+            betas.scalar_type(), " with ", betas.numel());
+  const bool clean = *found_inf.const_data_ptr<float>() == 0.0f;  // NaN skips too
+  double count = 0.0;
+  AT_DISPATCH_ALL_TYPES(step.scalar_type(), op, [&] {
+    scalar_t* counter = step.data_ptr<scalar_t>();
+    if (clean) {
+      *counter += scalar_t(1);
+    }
+    count = static_cast<double>(*counter);
+  });
+  at::Tensor out = at::empty({2}, step.options().dtype(at::kFloat));
+  float* bc = out.data_ptr<float>();
+  const double* beta = betas.const_data_ptr<double>();
+  for (int i = 0; i < 2; ++i) {
+    bc[i] = bias_correction ? static_cast<float>(1.0 - std::pow(beta[i], count)) : 1.0f;
+  }
+  return out;
+}
+
+}  // namespace amp_patch::cpu
+
 TORCH_LIBRARY_IMPL(amp_patch, CPU, m) {
   using amp_patch::cpu::CpuBackend;
+  m.impl("adam_device_step_", &amp_patch::cpu::adam_device_step_cpu);
   namespace optim = amp_patch::optim;
   m.impl("multi_tensor_adam_", &optim::adam_op<CpuBackend>);
   m.impl("multi_tensor_sgd_", &optim::sgd_op<CpuBackend>);

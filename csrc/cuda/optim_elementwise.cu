@@ -3,8 +3,11 @@
 // the grad, the param and the state, applies the update rule of
 // csrc/optim_math.h, and writes the param, the state and the optional half
 // model copy. A set noop flag makes every block return before it touches memory.
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -118,11 +121,53 @@ struct CudaSweeps {
   }
 };
 
+// adam_device_step_: one thread advances the counter unless the flag is set and
+// writes 1 - beta**count for both betas (float64, rounded once), as the
+// reference's tensor ops do, in one launch instead of five.
+template <typename T>
+__global__ void adam_device_step_kernel(T* step, const float* found_inf, const double* betas,
+                                        float* out, bool bias_correction) {
+  if (*found_inf == 0.0f) {
+    *step += T(1);
+  }
+  const double count = static_cast<double>(*step);
+  for (int i = 0; i < 2; ++i) {
+    out[i] = bias_correction ? static_cast<float>(1.0 - ::pow(betas[i], count)) : 1.0f;
+  }
+}
+
+at::Tensor adam_device_step_cuda(const at::Tensor& step, const at::Tensor& found_inf,
+                                 const at::Tensor& betas, bool bias_correction) {
+  constexpr const char* op = "adam_device_step_";
+  AMP_CHECK(step.is_cuda() && found_inf.device() == step.device() &&
+                betas.device() == step.device(),
+            "amp_patch::", op, ": step, found_inf and betas must be on one CUDA device, got ",
+            step.device(), ", ", found_inf.device(), " and ", betas.device());
+  AMP_CHECK(step.numel() == 1 && found_inf.numel() == 1, "amp_patch::", op,
+            ": step and found_inf must have one element each, got ", step.numel(), " and ",
+            found_inf.numel());
+  AMP_CHECK(found_inf.scalar_type() == at::kFloat, "amp_patch::", op,
+            ": found_inf must be float32, got ", found_inf.scalar_type());
+  AMP_CHECK(betas.scalar_type() == at::kDouble && betas.numel() == 2 && betas.is_contiguous(),
+            "amp_patch::", op, ": betas must be a contiguous float64 tensor of 2 elements, got ",
+            betas.scalar_type(), " with ", betas.numel());
+  const c10::cuda::CUDAGuard guard(step.device());
+  at::Tensor out = at::empty({2}, step.options().dtype(at::kFloat));
+  AT_DISPATCH_ALL_TYPES(step.scalar_type(), op, [&] {
+    adam_device_step_kernel<scalar_t><<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        step.data_ptr<scalar_t>(), found_inf.const_data_ptr<float>(),
+        betas.const_data_ptr<double>(), out.data_ptr<float>(), bias_correction);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 }  // namespace
 }  // namespace amp_patch::cuda
 
 TORCH_LIBRARY_IMPL(amp_patch, CUDA, m) {
   using amp_patch::cuda::CudaSweeps;
+  m.impl("adam_device_step_", &amp_patch::cuda::adam_device_step_cuda);
   namespace optim = amp_patch::optim;
   m.impl("multi_tensor_adam_", &optim::adam_op<CudaSweeps>);
   m.impl("multi_tensor_sgd_", &optim::sgd_op<CudaSweeps>);

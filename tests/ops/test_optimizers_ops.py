@@ -369,6 +369,51 @@ def test_adam_bias_corrections_take_any_one_element_counter(device, shape, dtype
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0-dim", "1", "1x1"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32])
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_adam_device_step_matches_reference_and_host_step(device, shape, dtype, bias_correction):
+    """The fused counter op advances on a clear flag only (a NaN flag skips), and its
+    corrections are the reference body's and the host step's, bit for bit."""
+    betas = ops.fp32_betas(0.9, 0.999, torch.device(device))
+    for start, flag in [(0, 0.0), (1, 0.0), (164, 0.0), (999, 1.0), (123456, 0.0),
+                        (7, float("nan"))]:
+        got_step = torch.full(shape, start, dtype=dtype, device=device)
+        want_step = got_step.clone()
+        found = torch.full((1,), flag, device=device)
+        got = torch.ops.amp_patch.adam_device_step_(got_step, found, betas, bias_correction)
+        want = optimizer_ops._adam_device_step_ref(want_step, found.clone(), betas,
+                                                   bias_correction)
+        assert torch.equal(got_step, want_step) and int(got_step.reshape(())) == (
+            start + (flag == 0.0)), (start, flag)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (start, got, want)
+        count = int(got_step.reshape(()))
+        host = [optimizer_ops.ref.bias_corr(b, count, bias_correction)
+                for b in (torch.tensor(0.9).item(), torch.tensor(0.999).item())]
+        assert got.cpu().tolist() == host, (count, got, host)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_device_step_checks_its_tensors(device):
+    step, betas = torch.zeros(1, dtype=torch.int32, device=device), ops.fp32_betas(
+        0.9, 0.999, torch.device(device))
+    for args, match in [((torch.zeros(2, dtype=torch.int32, device=device), torch.zeros(1, device=device),
+                          betas), "one element"),
+                        ((step, torch.zeros(1, device=device), betas.float()), "float64"),
+                        ((step, torch.zeros(1, dtype=torch.float64, device=device), betas), "float32")]:
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.amp_patch.adam_device_step_(*args, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_device_step_opcheck(device):
+    torch.library.opcheck(torch.ops.amp_patch.adam_device_step_.default,
+                          (torch.zeros(1, dtype=torch.int32, device=device),
+                           torch.zeros(1, device=device),
+                           ops.fp32_betas(0.9, 0.999, torch.device(device)), True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_adam_bias_corrections_are_checked(device):
     name, args = _adam_args("mixed", "master", device)
     for bad, match in [(torch.ones(3, device=device), "2 elements"),

@@ -9,7 +9,7 @@ import torch
 from amp_patch import ops
 from amp_patch.optim.fused._base import FusedOptimizer
 from amp_patch.optim.fused.batches import to_device
-from amp_patch.optim.fused.steps import as_float, device_step, next_step
+from amp_patch.optim.fused.steps import as_float, device_counter, next_step
 
 __all__ = ["FusedAdam"]
 
@@ -151,10 +151,13 @@ class FusedAdam(FusedOptimizer):
             if on_device:
                 assert self._inputs is not None and self._inputs.found_inf is not None
                 beta1, beta2 = group["betas"]
-                step = device_step(group, self._inputs.found_inf)
-                corrections = ops.adam_bias_corrections(beta1, beta2, step,
-                                                        hyper["bias_correction"],
-                                                        self._betas_on(beta1, beta2, step.device))
+                step = device_counter(group)
+                found_inf = self._inputs.found_inf
+                if found_inf.device != step.device:
+                    found_inf = found_inf.to(step.device, non_blocking=True)
+                corrections = ops.adam_device_step_(
+                    step, found_inf, self._betas_on(beta1, beta2, step.device),
+                    hyper["bias_correction"])
                 self._adam_group(group, 0, **hyper, bias_corrections=corrections)
             else:
                 self._adam_group(group, next_step(group), **hyper)

@@ -33,7 +33,8 @@ from amp_patch.optim.fused.batches import FusedStepInputs
 
 logger = logging.getLogger("amp_patch")
 
-__all__ = ["next_step", "device_step", "as_float", "found_inf_read", "grad_scaler_inputs"]
+__all__ = ["next_step", "device_counter", "device_step", "as_float", "found_inf_read",
+           "grad_scaler_inputs"]
 
 
 def next_step(group: dict[str, Any]) -> int:
@@ -50,19 +51,26 @@ def next_step(group: dict[str, Any]) -> int:
     return group["step"]
 
 
+def device_counter(group: dict[str, Any]) -> Tensor:
+    """The group's step counter as a tensor on its params' device (Apex's capturable layout,
+    made from the host int the first time)."""
+    step = group.get("step")
+    if not isinstance(step, Tensor):
+        step = group["step"] = torch.tensor([step or 0], dtype=torch.int32).to(
+            group["params"][0].device, non_blocking=True)
+    return step
+
+
 def device_step(group: dict[str, Any], found_inf: Tensor) -> Tensor:
     """Advance the group's step counter on the device unless ``found_inf`` is set (no read).
 
-    The counter becomes Apex's capturable layout the first time.
+    The counter becomes Apex's capturable layout the first time. (Adam advances
+    it and takes its bias corrections in one op, :func:`amp_patch.ops.adam_device_step_`.)
 
     Returns:
         Tensor: the counter after this step.
     """
-    step = group.get("step")
-    device = group["params"][0].device
-    if not isinstance(step, Tensor):
-        step = group["step"] = torch.tensor([step or 0], dtype=torch.int32).to(
-            device, non_blocking=True)
+    step = device_counter(group)
     found = found_inf.to(step.device, non_blocking=True)
     if found.shape != step.shape:
         found = found.reshape(step.shape)
