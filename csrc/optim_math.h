@@ -87,6 +87,12 @@ struct AdamHyper {
   float inv_sqrt_bias_correction2;
   float lean_decay;
   bool adam_w_mode;
+  // CPU only (CUDA ignores it; it sits in the struct's padding): divide by the
+  // bias corrections with a float64 multiply, to the same bits
+  // (csrc/cpu/optim_rule_loops.h's FixedDivisor). The CPU op sets it when its
+  // lists fit in the last-level cache; streaming from memory, the division,
+  // whose latency the loads hide, costs less.
+  bool multiply_divisions = false;
 };
 
 struct SgdHyper {

@@ -31,6 +31,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
 #include "check.h"
 #include "cpu/kernel_table.h"
 #include "cpu/optim_table.h"
@@ -628,6 +632,35 @@ inline void lean_store_param(const OptimTable& k, const KernelTable& conv, const
   lean_model_copy(conv, t, ch, p);
 }
 
+// The last-level cache's size in bytes (sysconf's, where the C library reports
+// it; else 32 MiB).
+int64_t last_level_cache_bytes() {
+#if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+  for (int name : {_SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
+    const long bytes = sysconf(name);
+    if (bytes > 0) {
+      return bytes;
+    }
+  }
+#endif
+  return int64_t{32} << 20;
+}
+
+// Whether an Adam call's data (28 bytes an element with fp32 params and
+// moments) fits in the last-level cache: its loops then divide by the bias
+// corrections with a float64 multiply (AdamHyper::multiply_divisions).
+// Measured on an Intel Xeon with 260 MiB of L3, one thread: 1.25 M to 5 M
+// elements ran 24-29% faster so, 10 M and 20 M elements (from memory) 5-10%
+// slower.
+bool fits_in_cache(const std::vector<Row>& rows) {
+  static const int64_t budget = last_level_cache_bytes();
+  int64_t elements = 0;
+  for (const Row& row : rows) {
+    elements += row.numel;
+  }
+  return elements * 28 <= budget;
+}
+
 // The CPU side of the ops of optim_args.h. The scale and flag are read on the
 // host (they live in host memory); the loops come from the ISA's table.
 struct CpuBackend {
@@ -653,10 +686,11 @@ struct CpuBackend {
   static void adam(const char* op, const optim::Lists<5>& lists, const optim::Flags& flags,
                    const optim::AdamHyper& hyper, const float* /*device_bc*/ = nullptr) {
     RowPlan plan(op, lists);
-    const optim::AdamHyper h = scaled(hyper, flags, op);
+    optim::AdamHyper h = scaled(hyper, flags, op);
     if (step_skipped(flags.noop, op)) {
       return;
     }
+    h.multiply_divisions = fits_in_cache(plan.rows());
     const OptimTable& k = optim_kernels();
     const bool with_model = plan.use(4) == Use::kCopyOut;
     const auto& rows = plan.rows();

@@ -67,21 +67,24 @@ inline double lane_sum(const FVec& acc) {
 }
 
 // Division by one of Adam's bias corrections d, as optim::bias_corrected
-// divides (nothing when d is 1), made once per loop. For d in (0, 1] on AVX2
-// and AVX-512, x is widened to float64, multiplied by 1 / d (float64, computed
-// here once) and rounded once to fp32: the division's bits for every x, zeros,
+// divides (nothing when d is 1), made once per loop. With `multiply` (the op's
+// data fits in the last-level cache: AdamHyper::multiply_divisions) and d in
+// (0, 1], on AVX2 and AVX-512, x is widened to float64, multiplied by 1 / d
+// (float64, computed here once) and rounded once to fp32: the division's bits for every x, zeros,
 // infinities and NaN included. The float64 product is within 2**-52 of x / d,
 // relative, and a quotient of two fp32 values with 0 < d <= 1 is never an fp32
 // rounding midpoint and lies at least 2**-49 from one (the argument is in
 // docs/optimizers.md, "Dividing by a bias correction"). Two conversions each
 // way and two multiplies take the place of a division, whose unit the rule's
-// square root and other division also need. Other divisors, and the build
-// without AVX2, divide. Round-to-nearest (the default, which torch never
+// square root and other division also need: 20-25% off a step whose data is
+// in cache. A step that streams from memory ran 5-10% slower so, so it
+// divides, as do other divisors and the build without AVX2. Round-to-nearest (the default, which torch never
 // changes) is assumed, as by every rule here.
 class FixedDivisor {
  public:
-  explicit FixedDivisor(float d)
-      : d_(d), inverse_(d > 0.0f && d <= 1.0f ? 1.0 / static_cast<double>(d) : 0.0) {}
+  FixedDivisor(float d, bool multiply)
+      : d_(d),
+        inverse_(multiply && d > 0.0f && d <= 1.0f ? 1.0 / static_cast<double>(d) : 0.0) {}
 
   AMP_CPU_INLINE FVec operator()(const FVec& x) const {
     if (d_ == 1.0f) {
@@ -127,7 +130,8 @@ template <bool kLean>
 void adam_tile_loop(const float* g, float* p, float* m, float* v, int64_t n,
                     const optim::AdamHyper& hyper) {
   const optim::AdamHyper h = hyper;
-  const FixedDivisor bc1(h.bias_correction1), bc2(h.bias_correction2);
+  const FixedDivisor bc1(h.bias_correction1, h.multiply_divisions),
+      bc2(h.bias_correction2, h.multiply_divisions);
   for_vectors(n, [&](int64_t i, int64_t c) {
     FVec pv = load(p + i, c), mv = load(m + i, c), vv = load(v + i, c);
     // The moments are stored before the param's division and square-root chain:
@@ -156,7 +160,8 @@ template <typename G, typename M>
 void adam_mixed_loop(const void* grads, float* p, float* m, float* v, void* model, int64_t n,
                      const optim::AdamHyper& hyper) {
   const optim::AdamHyper h = hyper;
-  const FixedDivisor bc1(h.bias_correction1), bc2(h.bias_correction2);
+  const FixedDivisor bc1(h.bias_correction1, h.multiply_divisions),
+      bc2(h.bias_correction2, h.multiply_divisions);
   const G* g = static_cast<const G*>(grads);
   for_blocks(0, n, [&](int64_t i, int64_t c) {
     FVec gv[2], pv[2];
