@@ -280,7 +280,8 @@ class AmpScaler:
         return state
 
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """``loss.float()`` times the current scale, on the loss's device (no host sync).
+        """``loss.float()`` times the current scale, on the loss's device (no host sync); for a
+        static scale of 1.0, ``loss.float()`` itself (the same bits, one op fewer).
 
         Args:
             loss (Tensor): the loss.
@@ -293,6 +294,8 @@ class AmpScaler:
             >>> AmpScaler(128.0).scale_loss(torch.tensor(0.5)).item()
             64.0
         """
+        if not self.dynamic and self._scale == 1.0:
+            return loss.float()  # times 1.0 changes no bit: one op fewer (bf16's static scale)
         return loss.float() * self.device_tensors(loss.device).scale
 
     def check_loss(self, loss: Tensor) -> None:
