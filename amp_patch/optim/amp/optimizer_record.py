@@ -120,6 +120,8 @@ class OptimizerRecord:
         self._master_pairs_kept: list[tuple[Tensor, Tensor]] = []
         self._model_params_kept: dict[Tensor, Tensor] = {}  # master -> model param
         self._model_list_kept: list[Tensor] = []  # the pairs' model params, in order
+        self._direct_list_kept: list[Tensor] = []  # the params stepped directly (no master)
+        self._master_models_kept: list[Tensor] = []  # the model params behind the masters
         self._methods = PatchedMethods(self, step_context)
         self._hook_handles: list[Any] = []
 
@@ -145,6 +147,12 @@ class OptimizerRecord:
     def model_param(self, stepped: Tensor) -> Tensor:
         """The model parameter behind a stepped tensor (itself when it has no master)."""
         return self.masters.model_param(stepped)
+
+    def master_models(self) -> list[Tensor]:
+        """The model params behind the masters, in ``param_groups`` order (a list kept between
+        calls: read it, do not change it)."""
+        self._pairs()
+        return self._master_models_kept
 
     def master_pairs(self) -> list[tuple[Tensor, Tensor]]:
         """``(model param, fp32 master)`` for each master, in ``param_groups`` order (a list kept
@@ -174,6 +182,8 @@ class OptimizerRecord:
             self._master_pairs_kept = [(m, p) for m, p in self._pairs_kept if m is not p]
             self._model_params_kept = {master: m for m, master in self._master_pairs_kept}
             self._model_list_kept = [m for m, _ in self._pairs_kept]
+            self._direct_list_kept = [p for m, p in self._pairs_kept if m is p]
+            self._master_models_kept = [m for m, _ in self._master_pairs_kept]
             self._pairs_key = key
         return self._pairs_kept
 
@@ -239,8 +249,9 @@ class OptimizerRecord:
         whose ``zero_grad`` is torch's."""
         if not self.takes_step_inputs:
             return
-        self._zeroed_grads = {id(p): (p.grad, p.grad._version) for model_p, p in self._pairs()
-                              if model_p is p and p.grad is not None}
+        self._pairs()
+        self._zeroed_grads = {id(p): (p.grad, p.grad._version) for p in self._direct_list_kept
+                              if p.grad is not None}
 
     def collect_unscale(self, in_place: list, copy: tuple[list, list],
                         accumulate: tuple[list, list]) -> None:
@@ -435,6 +446,7 @@ class OptimizerRecord:
         """Drop :meth:`_pairs`'s lists (and their references to the params)."""
         self._pairs_key, self._pairs_kept, self._master_pairs_kept = (), [], []
         self._model_params_kept, self._model_list_kept = {}, []
+        self._direct_list_kept, self._master_models_kept = [], []
 
     def restore(self) -> None:
         """Undo :meth:`install`: original methods back, hooks removed, model params back in

@@ -205,7 +205,7 @@ class PatchedMethods:
         set_to_none = _call_arg(instance, args, kwargs, "set_to_none", default=True)
         # Master grads are amp's, not the caller's: released whichever way, as in Apex.
         record.masters.release_grads()
-        clear_grads([model_p for model_p, _ in record.master_pairs()], set_to_none)
+        clear_grads(record.master_models(), set_to_none)
         record.forget_stashed_grads()
         record.note_zeroed_grads()
         return out
