@@ -129,6 +129,20 @@ inline const float* device_bias_corrections(const char* op,
   return nullptr;
 }
 
+// adam_device_step_'s tensors, on either backend (each checks their device):
+// a one-element counter and float32 flag, and the float64 betas.
+inline void check_device_step_args(const char* op, const at::Tensor& step,
+                                   const at::Tensor& found_inf, const at::Tensor& betas) {
+  AMP_CHECK(step.numel() == 1 && found_inf.numel() == 1, "amp_patch::", op,
+            ": step and found_inf must have one element each, got ", step.numel(), " and ",
+            found_inf.numel());
+  AMP_CHECK(found_inf.scalar_type() == at::kFloat, "amp_patch::", op,
+            ": found_inf must be float32, got ", found_inf.scalar_type());
+  AMP_CHECK(betas.scalar_type() == at::kDouble && betas.numel() == 2 && betas.is_contiguous(),
+            "amp_patch::", op, ": betas must be a contiguous float64 tensor of 2 elements, got ",
+            betas.scalar_type(), " with ", betas.numel());
+}
+
 template <typename B>
 void adam_op(at::TensorList grads, at::TensorList params, at::TensorList exp_avgs,
              at::TensorList exp_avg_sqs, at::TensorList model_params,

@@ -989,14 +989,7 @@ at::Tensor adam_device_step_cpu(const at::Tensor& step, const at::Tensor& found_
   check_cpu(step, op, "step");
   check_cpu(found_inf, op, "found_inf");
   check_cpu(betas, op, "betas");
-  AMP_CHECK(step.numel() == 1 && found_inf.numel() == 1, "amp_patch::", op,
-            ": step and found_inf must have one element each, got ", step.numel(), " and ",
-            found_inf.numel());
-  AMP_CHECK(found_inf.scalar_type() == at::kFloat, "amp_patch::", op,
-            ": found_inf must be float32, got ", found_inf.scalar_type());
-  AMP_CHECK(betas.scalar_type() == at::kDouble && betas.numel() == 2 && betas.is_contiguous(),
-            "amp_patch::", op, ": betas must be a contiguous float64 tensor of 2 elements, got ",
-            betas.scalar_type(), " with ", betas.numel());
+  optim::check_device_step_args(op, step, found_inf, betas);
   const bool clean = *found_inf.const_data_ptr<float>() == 0.0f;  // NaN skips too
   double count = 0.0;
   AT_DISPATCH_ALL_TYPES(step.scalar_type(), op, [&] {

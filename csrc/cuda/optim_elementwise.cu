@@ -143,14 +143,7 @@ at::Tensor adam_device_step_cuda(const at::Tensor& step, const at::Tensor& found
                 betas.device() == step.device(),
             "amp_patch::", op, ": step, found_inf and betas must be on one CUDA device, got ",
             step.device(), ", ", found_inf.device(), " and ", betas.device());
-  AMP_CHECK(step.numel() == 1 && found_inf.numel() == 1, "amp_patch::", op,
-            ": step and found_inf must have one element each, got ", step.numel(), " and ",
-            found_inf.numel());
-  AMP_CHECK(found_inf.scalar_type() == at::kFloat, "amp_patch::", op,
-            ": found_inf must be float32, got ", found_inf.scalar_type());
-  AMP_CHECK(betas.scalar_type() == at::kDouble && betas.numel() == 2 && betas.is_contiguous(),
-            "amp_patch::", op, ": betas must be a contiguous float64 tensor of 2 elements, got ",
-            betas.scalar_type(), " with ", betas.numel());
+  optim::check_device_step_args(op, step, found_inf, betas);
   const c10::cuda::CUDAGuard guard(step.device());
   at::Tensor out = at::empty({2}, step.options().dtype(at::kFloat));
   AT_DISPATCH_ALL_TYPES(step.scalar_type(), op, [&] {
