@@ -330,7 +330,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _skips_on_device(self) -> bool:
         """Whether this step takes its inputs' ``found_inf`` on the device unread: the kernels
-        skip on it, and the step counters (:func:`~amp_patch.optim.fused.steps.device_step`)
+        skip on it, and the step counters (:func:`~amp_patch.optim.fused.steps.device_counter`)
         stay on the device."""
         inputs = self._inputs
         return inputs is not None and inputs.found_inf is not None and not self.READS_FOUND_INF

@@ -152,12 +152,9 @@ class FusedAdam(FusedOptimizer):
                 assert self._inputs is not None and self._inputs.found_inf is not None
                 beta1, beta2 = group["betas"]
                 step = device_counter(group)
-                found_inf = self._inputs.found_inf
-                if found_inf.device != step.device:
-                    found_inf = found_inf.to(step.device, non_blocking=True)
                 corrections = ops.adam_device_step_(
-                    step, found_inf, self._betas_on(beta1, beta2, step.device),
-                    hyper["bias_correction"])
+                    step, to_device(self._inputs.found_inf, step.device),
+                    self._betas_on(beta1, beta2, step.device), hyper["bias_correction"])
                 self._adam_group(group, 0, **hyper, bias_corrections=corrections)
             else:
                 self._adam_group(group, next_step(group), **hyper)

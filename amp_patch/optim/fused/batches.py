@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from typing import Any, Callable, Mapping, NamedTuple, Protocol
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, overload
 
 import torch
 from torch import Tensor
@@ -332,6 +332,14 @@ class KeptBatches:
                 state=lists, low_precision=b.low_precision, split=b.split,
                 block_size=b.block_size))
         return out
+
+
+@overload
+def to_device(t: Tensor, device: torch.device) -> Tensor: ...
+@overload
+def to_device(t: None, device: torch.device) -> None: ...
+@overload
+def to_device(t: Tensor | None, device: torch.device) -> Tensor | None: ...
 
 
 def to_device(t: Tensor | None, device: torch.device) -> Tensor | None:

@@ -3,9 +3,10 @@
 A counter is an int on the host, or Apex's capturable layout, an int32 tensor
 of one element on the group's device. :func:`next_step` advances it on the
 host, for the bias corrections and the rounding bits of the host-side steps;
-:func:`device_step` advances it on the device by ``found_inf == 0``, so that a
-skip decided on the device is never read. :func:`found_inf_read` reads the
-skip on the host, and :func:`grad_scaler_inputs` takes up the flags that
+:func:`device_counter` makes it a tensor on the device, where
+:func:`amp_patch.ops.adam_device_step_` advances it by ``found_inf == 0``, so
+that a skip decided on the device is never read. :func:`found_inf_read` reads
+the skip on the host, and :func:`grad_scaler_inputs` takes up the flags that
 ``torch.amp.GradScaler`` hands an optimizer.
 
 Example::
@@ -13,10 +14,8 @@ Example::
     >>> group = {"params": [torch.zeros(2)]}
     >>> next_step(group), next_step(group)
     (1, 2)
-    >>> device_step(group, torch.zeros(1))
-    tensor([3], dtype=torch.int32)
-    >>> device_step(group, torch.ones(1))   # skipped: the counter stays
-    tensor([3], dtype=torch.int32)
+    >>> device_counter(group)
+    tensor([2], dtype=torch.int32)
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ from amp_patch.optim.fused.batches import FusedStepInputs
 
 logger = logging.getLogger("amp_patch")
 
-__all__ = ["next_step", "device_counter", "device_step", "as_float", "found_inf_read",
-           "grad_scaler_inputs"]
+__all__ = ["next_step", "device_counter", "as_float", "found_inf_read", "grad_scaler_inputs"]
 
 
 def next_step(group: dict[str, Any]) -> int:
@@ -58,23 +56,6 @@ def device_counter(group: dict[str, Any]) -> Tensor:
     if not isinstance(step, Tensor):
         step = group["step"] = torch.tensor([step or 0], dtype=torch.int32).to(
             group["params"][0].device, non_blocking=True)
-    return step
-
-
-def device_step(group: dict[str, Any], found_inf: Tensor) -> Tensor:
-    """Advance the group's step counter on the device unless ``found_inf`` is set (no read).
-
-    The counter becomes Apex's capturable layout the first time. (Adam advances
-    it and takes its bias corrections in one op, :func:`amp_patch.ops.adam_device_step_`.)
-
-    Returns:
-        Tensor: the counter after this step.
-    """
-    step = device_counter(group)
-    found = found_inf.to(step.device, non_blocking=True)
-    if found.shape != step.shape:
-        found = found.reshape(step.shape)
-    step.add_(found == 0)
     return step
 
 
