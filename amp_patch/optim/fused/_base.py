@@ -24,6 +24,7 @@ from amp_patch.optim.fused import state_format as _formats
 from amp_patch.optim.fused.batches import Batch, FusedStepInputs, KeptBatches, build_batches
 from amp_patch.optim.fused.norms import grad_norms
 from amp_patch.optim.fused.state_format import SCALE_SUFFIX, QuantizedState, StateFormat
+from amp_patch.optim.fused.step_entry import hooked_step
 from amp_patch.optim.fused.steps import found_inf_read, grad_scaler_inputs
 from amp_patch.settings.dtypes import HALF_DTYPES
 
@@ -185,13 +186,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if keep and isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
-    @torch.no_grad()
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("step")
+        if step is not None and not getattr(step, "hooked", False):
+            cls.step = hooked_step(step)  # type: ignore[method-assign]
+
+    @hooked_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One fused step over every param that has a grad (or a grad in the step inputs).
 
         Does nothing when the step inputs' ``found_inf`` is set, or when
         ``torch.amp.GradScaler`` found an overflow (optimizers that take the
-        scaler's flags).
+        scaler's flags). Runs with grad mode off, and with torch's step hooks
+        and profiler label (:mod:`~amp_patch.optim.fused.step_entry`; a
+        subclass's own ``step`` gets the same entry).
 
         Args:
             closure (callable, optional): re-evaluates the model and returns the loss.

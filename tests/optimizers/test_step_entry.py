@@ -1,0 +1,144 @@
+"""The fused optimizers' ``step()`` entry (``amp_patch.optim.fused.step_entry``).
+
+It stands in for torch's ``profile_hook_step`` wrapper, so every test here
+holds it to what torch's own optimizers do: the hooks, their order and their
+power to change the arguments, the profiler's label, and grad mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from amp_patch.optim.fused import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedNovoGrad,
+    FusedSGD,
+)
+
+OPTIMIZERS = [FusedAdam, FusedSGD, FusedLAMB, FusedNovoGrad, FusedAdagrad]
+
+
+def _param():
+    p = torch.nn.Parameter(torch.arange(4.0))
+    p.grad = torch.full((4,), 0.5)
+    return p
+
+
+def _hook_order(opt):
+    calls = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global pre", o))),
+        opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o))),
+        opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o))),
+        register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global post", o))),
+    ]
+    try:
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    return [(name, o is opt) for name, o in calls]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_the_hooks_run_once_each_in_torchs_order(cls):
+    """A subclass's own step (FusedAdam's, FusedSGD's) calls the base's: the hooks still run
+    once, in the order torch's own optimizers run them."""
+    ours = _hook_order(cls([_param()], lr=0.1))
+    theirs = _hook_order(torch.optim.SGD([_param()], lr=0.1))
+    assert ours == theirs == [("global pre", True), ("pre", True), ("post", True),
+                              ("global post", True)]
+
+
+def test_torch_does_not_wrap_the_entry_again():
+    opt = FusedAdam([_param()])
+    assert type(opt).step.hooked
+    assert type(opt).step is FusedAdam.step  # torch's Optimizer.__init__ left it alone
+
+
+def test_a_pre_hook_may_replace_the_arguments():
+    opt = FusedSGD([_param()], lr=0.1)
+    closure_calls = []
+
+    def closure():
+        closure_calls.append(torch.is_grad_enabled())
+        return torch.tensor(3.0)
+
+    opt.register_step_pre_hook(lambda o, args, kwargs: ((), {"closure": closure}))
+    assert opt.step().item() == 3.0
+    assert closure_calls == [True]  # the closure runs with grad mode on
+
+
+def test_a_pre_hook_returning_something_else_is_an_error():
+    opt = FusedAdam([_param()])
+    opt.register_step_pre_hook(lambda o, args, kwargs: "new args")
+    with pytest.raises(RuntimeError, match="must return None or a tuple"):
+        opt.step()
+
+
+def test_the_body_runs_without_grad_and_grad_mode_comes_back():
+    seen = []
+
+    class Watching(FusedSGD):
+        def _fused_step(self):
+            seen.append(torch.is_grad_enabled())
+            super()._fused_step()
+
+    opt = Watching([_param()], lr=0.1)
+    opt.step()
+    assert seen == [False] and torch.is_grad_enabled()
+    with torch.no_grad():
+        opt.step()
+        assert not torch.is_grad_enabled()
+    assert seen == [False, False] and torch.is_grad_enabled()
+
+
+def test_an_error_in_the_step_restores_grad_mode():
+    class Failing(FusedSGD):
+        def _fused_step(self):
+            raise ValueError("inside the step")
+
+    with pytest.raises(ValueError, match="inside the step"):
+        Failing([_param()], lr=0.1).step()
+    assert torch.is_grad_enabled()
+
+
+def test_a_subclass_step_gets_the_entry_too():
+    calls = []
+
+    class Counting(FusedAdam):
+        def step(self, closure=None):
+            calls.append("subclass body")
+            return super().step(closure)
+
+    opt = Counting([_param()])
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.step()
+    assert calls == ["pre", "subclass body"]
+    assert Counting.step.hooked
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD], ids=lambda c: c.__name__)
+def test_a_profiler_sees_the_step_label(cls):
+    opt = cls([_param()], lr=0.1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    names = [e.name for e in prof.events()]
+    assert names.count(f"Optimizer.step#{cls.__name__}.step") == 1
+
+
+def test_the_step_changes_the_params_as_before():
+    """The entry only wraps: the same bits as calling the body with grad mode off."""
+    a, b = _param(), _param()
+    FusedAdam([a], lr=0.1).step()
+    body_only = FusedAdam([b], lr=0.1)
+    with torch.no_grad():
+        FusedAdam.step.__wrapped__(body_only)
+    assert torch.equal(a, b)
