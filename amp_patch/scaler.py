@@ -305,7 +305,7 @@ class AmpScaler:
         process takes part in the update's all-reduce even with no grads.
         """
         state = self.device_tensors(loss.device)
-        state.flag_nonfinite([loss.detach().to(torch.float32, copy=True)])
+        state.flag_nonfinite([_loss_copy(loss)])
 
     def unscale(
         self,
@@ -343,7 +343,8 @@ class AmpScaler:
             ops.multi_tensor_unscale_copy_(x, fresh, state.found_inf, state.inv_scale)
             _add_into(y, fresh)
 
-    def check(self, grads: Sequence[Tensor]) -> dict[torch.device, Tensor]:
+    def check(self, grads: Sequence[Tensor],
+              losses: list[Tensor] | None = None) -> dict[torch.device, Tensor]:
         """Flag an overflow if any of ``grads`` holds an inf or NaN, only reading them (no sync).
 
         One :func:`amp_patch.ops.multi_tensor_l2norm` per device: the norm of
@@ -356,6 +357,10 @@ class AmpScaler:
         Args:
             grads (sequence of Tensor): the grads, in the order the norms
                 should sum them (an optimizer's ``param_groups`` order).
+            losses (list of Tensor, optional): losses still to check
+                (:meth:`check_loss`); those on a device of ``grads`` are
+                checked in the same op as the norm there, and taken out of the
+                list.
 
         Sharded grads (FSDP2's DTensors) are read as this rank's shards: the
         flag is agreed over the ranks when the update reads it, but the
@@ -385,7 +390,11 @@ class AmpScaler:
         norms = {}
         for device, device_grads in by_device.items():
             norm = ops.multi_tensor_l2norm(device_grads)[0]
-            self.device_tensors(device).flag_nonfinite([norm])
+            checked = [norm]
+            if losses and any(t.device == device for t in losses):
+                checked += [_loss_copy(t) for t in losses if t.device == device]
+                losses[:] = [t for t in losses if t.device != device]
+            self.device_tensors(device).flag_nonfinite(checked)
             norms[device] = norm
         return norms
 
@@ -449,21 +458,25 @@ class AmpScaler:
                 read would have taken a dynamic scale below its floor, or a
                 static one past ``max_consecutive_skips`` overflows in a row.
         """
-        flags = [state.found_inf for state in self._devices.values()]
-        if not flags:
+        if not self._devices:
             self._clean_update_on_host()
             return None
-        # Prefer an accelerator flag as the meeting point: a device-to-host copy
-        # of the others would be a sync each.
-        flags.sort(key=lambda f: f.device.type == "cpu")
-        flag = flags[0] if len(flags) == 1 else torch.stack(
-            [f.to(flags[0].device, non_blocking=True) for f in flags]).amax(0)
-        flag = _all_reduce_max(flag)
-        state = self._home(flag.device)
-        home = self._devices.get(flag.device)
-        if home is None:  # the flags met on a device with no tensors of its own (nccl's)
-            home = _DeviceTensors(flag.device, 1.0)
-        overflow = torch.empty(1, dtype=torch.float32, device=flag.device)
+        flags = [state.found_inf for state in self._devices.values()]
+        if len(flags) == 1 and not _in_process_group():  # the usual case: nothing to meet
+            ((device, home),) = self._devices.items()
+            flag = flags[0]
+        else:
+            # Prefer an accelerator flag as the meeting point: a device-to-host copy
+            # of the others would be a sync each.
+            flags.sort(key=lambda f: f.device.type == "cpu")
+            flag = flags[0] if len(flags) == 1 else torch.stack(
+                [f.to(flags[0].device, non_blocking=True) for f in flags]).amax(0)
+            flag = _all_reduce_max(flag)
+            device = flag.device
+            # The flags may meet on a device with no tensors of its own (nccl's).
+            home = self._devices.get(device) or _DeviceTensors(device, 1.0)
+        state = self._home(device)
+        overflow = torch.empty(1, dtype=torch.float32, device=device)
         self._step_state(state, home, flag, overflow)
         others = [d for d in self._devices.values() if d is not home]
         if others:
@@ -716,11 +729,23 @@ def _count(value: Any) -> int:
     return int(value)
 
 
+def _loss_copy(loss: Tensor) -> Tensor:
+    """An fp32 copy of ``loss`` that :meth:`_DeviceTensors.flag_nonfinite` may write."""
+    return loss.detach().to(torch.float32, copy=True)
+
+
+def _in_process_group() -> bool:
+    """Whether this process is one of a torch.distributed group (whose ranks must agree)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _all_reduce_max(flag: Tensor) -> Tensor:
     """Make every process agree on the overflow decision (a no-op outside torch.distributed)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _in_process_group():
         return flag
     backend = dist.get_backend()
     if backend == "nccl" and flag.device.type != "cuda":

@@ -290,3 +290,57 @@ def test_nested_scale_loss_is_an_error_on_the_fast_path_too():
             with amp.scale_loss(xent(model(x), y), opt):
                 pass
     one_backward(model, opt)  # the session is usable again
+
+
+def _inf_loss_finite_grads(model, x, y):
+    """A loss that is inf while every grad stays finite: only the loss's own check sees it."""
+    return xent(model(x), y) + torch.tensor(float("inf"))
+
+
+@pytest.mark.parametrize("level,optimizer", [
+    ("O2", "fused_adam"),  # the one-pass step: the loss is checked with the grads' norm
+    ("O2", "sgd"),         # the unscale passes, then the loss on its own
+    ("O1", "sgd"),
+], ids=lambda v: v)
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=str)
+def test_a_nonfinite_loss_skips_the_step_whatever_checks_the_grads(level, optimizer, half):
+    from amp_patch.optimizers import FusedAdam
+
+    model = mlp()
+    opt = (FusedAdam(model.parameters(), lr=0.1) if optimizer == "fused_adam"
+           else torch.optim.SGD(model.parameters(), lr=0.1))
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=half,
+                                loss_scale=1.0 if half == torch.bfloat16 else "dynamic",
+                                verbosity=0)
+    if half == torch.bfloat16 and level == "O1":
+        pytest.skip("O1 with a static scale of 1.0 and no masters checks nothing (the fast path)")
+    x, y = mlp_batch(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(_inf_loss_finite_grads(model, x, y), opt) as s:
+        s.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert amp.session.current().scalers[0].skipped_steps == 1
+
+
+@pytest.mark.parametrize("exit_kind", ["delay_unscale", "delay_overflow_check", "exception"])
+def test_a_nonfinite_loss_stays_flagged_past_an_exit_that_does_not_update(exit_kind):
+    """The loss is checked on every way out of the block; an exit that does not update leaves
+    the flag raised for the next one that does."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    scaler = amp.session.current().scalers[0]
+    x, y = mlp_batch(0)
+    if exit_kind == "exception":
+        with pytest.raises(KeyError):
+            with amp.scale_loss(_inf_loss_finite_grads(model, x, y), opt) as s:
+                raise KeyError("before backward")
+    else:
+        with amp.scale_loss(_inf_loss_finite_grads(model, x, y), opt, **{exit_kind: True}) as s:
+            s.backward()
+    assert scaler.loss_scale == 2.0**16
+    opt.zero_grad()
+    one_backward(model, opt)  # finite, but the raised flag is read here
+    assert scaler.loss_scale == 2.0**15 and scaler.skipped_steps == 1

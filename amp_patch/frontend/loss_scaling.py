@@ -152,17 +152,21 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         # Grads an earlier exit left scaled for a one-pass step are unscaled first, as that
         # exit would have done; unscaled grads go aside (not under delay_unscale).
         record.begin_backward(delay_unscale)
-    scaler.check_loss(loss)
     try:
         yield scaler.scale_loss(loss)
     except BaseException:
+        scaler.check_loss(loss)
         for record in records:
             record.abandon_backward(delay_unscale)
         _end_iteration(session)
         raise
 
     try:
+        # The loss's own check raises the flag in the first grads' check that can take it
+        # (one op fewer), else here, before anything reads the flag.
+        loss_unchecked = [loss]
         if delay_unscale:
+            scaler.check_loss(loss)
             for record in records:
                 record.end_backward_scaled()
             return
@@ -173,10 +177,12 @@ def _scaled_backward(session: _session.AmpSession, loss: Tensor, records: list[O
         for record in records:
             # The one-pass O2 step reads the grads itself; without the overflow check that
             # follows, a step on non-finite grads must see them unscaled, as it always did.
-            if delay_overflow_check or not record.defer_unscale(scaler):
+            if delay_overflow_check or not record.defer_unscale(scaler, loss_unchecked):
                 record.collect_unscale(in_place, copy, accumulate)
             else:
                 deferred += 1
+        if loss_unchecked:
+            scaler.check_loss(loss)
         if in_place or copy[0] or accumulate[0]:  # nothing left when every record deferred
             scaler.unscale(in_place, copy, accumulate)
         if delay_overflow_check:

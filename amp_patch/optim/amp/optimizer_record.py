@@ -291,7 +291,7 @@ class OptimizerRecord:
         """At a ``delay_unscale=True`` exit: the grads stay loss-scaled in the params."""
         self.grads.move(GradState.SCALED, "delay_unscale exit")
 
-    def defer_unscale(self, scaler: "AmpScaler") -> bool:
+    def defer_unscale(self, scaler: "AmpScaler", losses: list[Tensor] | None = None) -> bool:
         """At ``scale_loss`` exit: leave the fresh grads scaled for the one-pass step, if it can.
 
         It applies when the optimizer takes step inputs and nothing is to be
@@ -301,6 +301,8 @@ class OptimizerRecord:
 
         Args:
             scaler (AmpScaler): the exit's scaler; its inverse scale is kept.
+            losses (list of Tensor, optional): losses still to check, handed to the scaler's
+                check (:meth:`AmpScaler.check`), which takes out those it checked.
 
         Returns:
             bool: True when deferred; False leaves them to :meth:`collect_unscale`.
@@ -316,7 +318,7 @@ class OptimizerRecord:
                 grads[stepped] = grad
         values = list(grads.values())
         local = local_tensors(values)
-        norms = scaler.check(local)
+        norms = scaler.check(local, losses)
         # The check's norms of sharded grads are this rank's part, not the whole's.
         sharded = local is not values and any(shard is not g for shard, g in zip(local, values))
         self._deferred_grads = _DeferredGrads(
