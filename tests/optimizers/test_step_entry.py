@@ -142,3 +142,17 @@ def test_the_step_changes_the_params_as_before():
     with torch.no_grad():
         FusedAdam.step.__wrapped__(body_only)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_clears_as_torchs_and_is_labelled_only_under_a_profiler(set_to_none):
+    p, q = _param(), torch.nn.Parameter(torch.ones(3))  # q has no grad
+    opt = FusedAdam([p, q])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.zero_grad(set_to_none=set_to_none)
+    assert [e.name for e in prof.events()].count("Optimizer.zero_grad#FusedAdam.zero_grad") == 1
+    assert (p.grad is None) if set_to_none else torch.equal(p.grad, torch.zeros(4))
+    assert q.grad is None
+    p.grad = torch.ones(4)
+    opt.zero_grad(set_to_none=set_to_none)  # no profiler: the plain loop when set to None
+    assert (p.grad is None) if set_to_none else torch.equal(p.grad, torch.zeros(4))

@@ -24,7 +24,7 @@ from amp_patch.optim.fused import state_format as _formats
 from amp_patch.optim.fused.batches import Batch, FusedStepInputs, KeptBatches, build_batches
 from amp_patch.optim.fused.norms import grad_norms
 from amp_patch.optim.fused.state_format import SCALE_SUFFIX, QuantizedState, StateFormat
-from amp_patch.optim.fused.step_entry import hooked_step
+from amp_patch.optim.fused.step_entry import hooked_step, labelled
 from amp_patch.optim.fused.steps import found_inf_read, grad_scaler_inputs
 from amp_patch.settings.dtypes import HALF_DTYPES
 
@@ -96,8 +96,20 @@ class FusedOptimizer(torch.optim.Optimizer):
             >>> opt = FusedSGD(model.parameters(), lr=0.1)   # set_grad_none=False, as in Apex
             >>> opt.zero_grad()                  # grads zeroed
             >>> opt.zero_grad(set_to_none=True)  # grads set to None
+
+        Setting to None is torch's loop without its ``record_function``
+        unless a profiler runs (:func:`~amp_patch.optim.fused.step_entry.labelled`);
+        zeroing is torch's ``zero_grad``.
         """
-        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
+        if set_to_none is None:
+            set_to_none = self.set_grad_none
+        if not set_to_none or labelled():
+            super().zero_grad(set_to_none)
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:  # reading .grad costs less than setting it
+                    p.grad = None
 
     def set_state_format(self, state_format: str | StateFormat,
                          stochastic_rounding: bool | None = None) -> StateFormat:

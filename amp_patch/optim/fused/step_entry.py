@@ -1,5 +1,7 @@
 """The entry of a fused optimizer's ``step()``: torch's step hooks and profiler label, for less.
 
+(``zero_grad`` likewise opens torch's label only while :func:`labelled`.)
+
 ``torch.optim.Optimizer`` wraps every subclass's ``step`` (``profile_hook_step``):
 the wrapper opens a ``record_function`` and walks the global and per-optimizer
 pre- and post-hooks at every call, whether or not a profiler or a hook is
@@ -39,7 +41,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-__all__ = ["hooked_step"]
+__all__ = ["hooked_step", "labelled"]
 
 _Step = TypeVar("_Step", bound=Callable[..., Any])
 
@@ -64,7 +66,7 @@ def hooked_step(body: _Step) -> _Step:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         if type(self).step is not step:  # reached through super() from the entry that ran them
             return _without_grad(body, self, args, kwargs)
-        if torch.compiler.is_compiling() or torch.autograd._profiler_enabled():
+        if labelled():
             with torch.autograd.profiler.record_function(
                     f"Optimizer.step#{type(self).__name__}.step"):
                 return _with_hooks(self, body, args, kwargs)
@@ -72,6 +74,12 @@ def hooked_step(body: _Step) -> _Step:
 
     step.hooked = True  # type: ignore[attr-defined]
     return step  # type: ignore[return-value]
+
+
+def labelled() -> bool:
+    """Whether an optimizer's ``step``/``zero_grad`` should open torch's ``record_function``
+    label: while a profiler runs, and under ``torch.compile`` (which handles labels itself)."""
+    return torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
 
 
 def _with_hooks(opt: Any, body: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
