@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
@@ -115,7 +116,8 @@ class OptimizerRecord:
         # Grads of params stepped directly that zero_grad left as zeros: id -> (grad, version).
         self._zeroed_grads: dict[int, tuple[Tensor, int]] = {}
         # _pairs()'s lists, and what they were made from.
-        self._pairs_key: tuple = ()
+        self._pairs_version = -1  # the masters' version the lists were made at
+        self._pairs_params: list[list[Tensor]] = []  # each group's params, as they were
         self._pairs_kept: list[tuple[Tensor, Tensor]] = []
         self._master_pairs_kept: list[tuple[Tensor, Tensor]] = []
         self._model_params_kept: dict[Tensor, Tensor] = {}  # master -> model param
@@ -163,20 +165,19 @@ class OptimizerRecord:
     def sync_masters_from_model(self) -> None:
         """Refresh masters whose half param was written from outside
         (see :meth:`MasterWeights.sync_from_model`)."""
-        self.masters.sync_pairs(self.master_pairs())
+        self.masters.sync_pairs(self.master_pairs(), self._master_models_kept)
 
     def _pairs(self) -> list[tuple[Tensor, Tensor]]:
         """(model param, stepped tensor) for everything the optimizer steps, in ``param_groups``
         order.
 
         Several calls of every iteration walk these; the list is made again only
-        when the masters or the groups' param lists changed. The lists are known
-        by the ids of their tensors, which the kept list holds, so no id can be
-        reused by another tensor while it is kept.
+        when the masters or the groups' param lists changed: the kept lists are
+        compared with the groups' element by element, by identity (in C).
         """
         groups = self.optimizer.param_groups
-        key = (self.masters.version, *[tuple(map(id, g["params"])) for g in groups])
-        if key != self._pairs_key:
+        if self._pairs_version != self.masters.version or not _same_params(
+                groups, self._pairs_params):
             model_param = self.masters.model_param
             self._pairs_kept = [(model_param(p), p) for g in groups for p in g["params"]]
             self._master_pairs_kept = [(m, p) for m, p in self._pairs_kept if m is not p]
@@ -184,7 +185,8 @@ class OptimizerRecord:
             self._model_list_kept = [m for m, _ in self._pairs_kept]
             self._direct_list_kept = [p for m, p in self._pairs_kept if m is p]
             self._master_models_kept = [m for m, _ in self._master_pairs_kept]
-            self._pairs_key = key
+            self._pairs_version = self.masters.version
+            self._pairs_params = [list(g["params"]) for g in groups]
         return self._pairs_kept
 
     # ------------------------------------------------------- scale_loss hooks
@@ -446,7 +448,8 @@ class OptimizerRecord:
 
     def _forget_pairs(self) -> None:
         """Drop :meth:`_pairs`'s lists (and their references to the params)."""
-        self._pairs_key, self._pairs_kept, self._master_pairs_kept = (), [], []
+        self._pairs_version, self._pairs_params = -1, []
+        self._pairs_kept, self._master_pairs_kept = [], []
         self._model_params_kept, self._model_list_kept = {}, []
         self._direct_list_kept, self._master_models_kept = [], []
 
@@ -493,6 +496,13 @@ class OptimizerRecord:
 def _still_zero(zeroed: tuple[Tensor, int] | None, grad: Tensor) -> bool:
     """Whether ``grad`` is the very tensor ``zero_grad`` zeroed, unwritten since."""
     return zeroed is not None and zeroed[0] is grad and zeroed[1] == grad._version
+
+
+def _same_params(groups: list[dict[str, Any]], kept: list[list[Tensor]]) -> bool:
+    """Whether each group's params are the very tensors of ``kept``, in order (compared in C)."""
+    return len(groups) == len(kept) and all(
+        len(g["params"]) == len(params) and all(map(operator.is_, g["params"], params))
+        for g, params in zip(groups, kept))
 
 
 def process(optimizer: torch.optim.Optimizer, master_weights: bool | torch.dtype | None,
