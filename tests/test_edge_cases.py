@@ -35,6 +35,35 @@ def test_o2_weights_loaded_after_initialize_are_not_undone_by_step(how):
         assert torch.equal(master, pretrained[name] if how == "load_state_dict" else p.float())
 
 
+@pytest.mark.parametrize("optimizer", ["fused_adam", "sgd"])
+def test_o2_weights_written_by_hand_between_steps_reach_the_masters(optimizer):
+    """After steps that wrote the half params (the one-pass step writes them itself), a write
+    from outside still reaches the masters before the next step."""
+    from amp_patch.optimizers import FusedAdam
+
+    model = mlp(seed=0)
+    opt = (FusedAdam(model.parameters(), lr=0.01) if optimizer == "fused_adam"
+           else torch.optim.SGD(model.parameters(), lr=0.01))
+    amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    for step in range(2):
+        x, y = mlp_batch(step)
+        with amp.scale_loss(xent(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    written = {name: p.detach().clone() + 1.0 for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, p in list(model.named_parameters())[:2]:  # some params only
+            p.copy_(written[name])
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()  # no grads, lr 0: nothing moves, and the masters hold the written values
+    for master, (name, p) in zip(amp.master_params(opt), model.named_parameters()):
+        assert torch.equal(master.to(p.dtype), p), name
+    for master, (name, _) in list(zip(amp.master_params(opt), model.named_parameters()))[:2]:
+        assert torch.equal(master, written[name].float()), name
+
+
 def test_o2_consistent_checkpoint_keeps_exact_fp32_masters():
     model = mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -11,7 +11,7 @@ master's grad is unscaled into.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, TypeGuard
+from typing import Any, Iterable, Sequence, TypeGuard
 
 import torch
 from torch import Tensor, nn
@@ -52,8 +52,11 @@ class MasterWeights:
         self._master_of: dict[int, Tensor] = {}
         # id(master) -> the storage its fp32 grad is unscaled into, reused every iteration.
         self._grad_buffers: dict[int, Tensor] = {}
-        # id(model param) -> its version counter right after amp last wrote it.
+        # id(model param) -> its version counter right after amp last wrote it; the last
+        # mark_written's list and versions stay apart (_written_last) until something reads
+        # the dict, so that a step's check of the same list compares two lists in C.
         self._written_version: dict[int, int] = {}
+        self._written_last: tuple[Sequence[Tensor], list[int]] | None = None
         #: Moves whenever a master is made or forgotten (the pairs of a record are kept until then).
         self.version = 0
 
@@ -88,7 +91,7 @@ class MasterWeights:
             self._model_of[id(master)] = p
             self._master_of[id(p)] = master
             self.version += 1
-            self._written_version[id(p)] = p._version
+            self._written()[id(p)] = p._version
             params[i] = master
             if p in state:
                 state[master] = {k: _state_to(v, torch.float32, master.device, k)
@@ -167,9 +170,24 @@ class MasterWeights:
         self.mark_written(models)
 
     def mark_written(self, params: Iterable[Tensor]) -> None:
-        """Note that amp itself just wrote ``params``: :meth:`sync_from_model` leaves them."""
+        """Note that amp itself just wrote ``params``: :meth:`sync_from_model` leaves them.
+
+        ``params`` (a list kept by the caller, such as a record's
+        :meth:`~amp_patch.optim.amp.OptimizerRecord.master_models`) is held with its
+        versions as they are now; the next :meth:`sync_pairs` over the same list
+        compares the versions alone.
+        """
         params = params if isinstance(params, (list, tuple)) else list(params)
-        self._written_version.update(zip(map(id, params), map(version_of, params)))
+        self._written()
+        self._written_last = (params, list(map(version_of, params)))
+
+    def _written(self) -> dict[int, int]:
+        """``_written_version``, with the last :meth:`mark_written` folded in."""
+        last, self._written_last = self._written_last, None
+        if last is not None:
+            params, versions = last
+            self._written_version.update(zip(map(id, params), versions))
+        return self._written_version
 
     @torch.no_grad()
     def sync_from_model(self, stepped: Iterable[Tensor]) -> None:
@@ -185,12 +203,25 @@ class MasterWeights:
         """
         self.sync_pairs(self.pairs(stepped))
 
-    def sync_pairs(self, pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
-        """:meth:`sync_from_model` over ``(model param, master)`` pairs already found."""
+    def sync_pairs(self, pairs: Iterable[tuple[Tensor, Tensor]],
+                   models: Sequence[Tensor] | None = None) -> None:
+        """:meth:`sync_from_model` over ``(model param, master)`` pairs already found.
+
+        Args:
+            pairs (iterable): ``(model param, master)`` pairs.
+            models (sequence of Tensor, optional): the pairs' model params, in order (a list
+                the caller keeps: the very list last passed to :meth:`mark_written` costs
+                no lookup).
+        """
         pairs = pairs if isinstance(pairs, (list, tuple)) else list(pairs)
-        models = [model_p for model_p, _ in pairs]
+        if models is None:
+            models = [model_p for model_p, _ in pairs]
         # Every version as amp wrote it (each step but after an outside write): read in C.
-        if list(map(self._written_version.get, map(id, models))) == list(map(version_of, models)):
+        last = self._written_last
+        if last is not None and last[0] is models and last[1] == list(map(version_of, models)):
+            return
+        written = self._written()
+        if list(map(written.get, map(id, models))) == list(map(version_of, models)):
             return
         for model_p, master in pairs:
             self._refresh(model_p, master)
@@ -211,12 +242,13 @@ class MasterWeights:
             master.copy_(value)
 
     def _refresh(self, model_p: Tensor, master: Tensor) -> None:
-        if self._written_version.get(id(model_p)) == model_p._version:
+        written = self._written()
+        if written.get(id(model_p)) == model_p._version:
             return
         with torch.no_grad():
             if not torch.equal(model_p, master.to(model_p.dtype)):
                 master.copy_(model_p)
-        self._written_version[id(model_p)] = model_p._version
+        written[id(model_p)] = model_p._version
 
     def detach(self, optimizer: torch.optim.Optimizer) -> None:
         """Put the model params back in ``optimizer.param_groups`` and forget the masters.
@@ -248,6 +280,7 @@ class MasterWeights:
         self._master_of.clear()
         self._grad_buffers.clear()
         self._written_version.clear()
+        self._written_last = None
         self.version += 1
 
 

@@ -195,7 +195,7 @@ class PatchedMethods:
             if inputs is None:
                 masters.copy_to_model(record.stepped_params())
             else:
-                masters.mark_written(inputs.model_params.values())
+                masters.mark_written(record.master_models())  # the step inputs' model params
             masters.release_grads()
         return out
 
