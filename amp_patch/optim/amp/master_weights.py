@@ -178,7 +178,8 @@ class MasterWeights:
         compares the versions alone.
         """
         params = params if isinstance(params, (list, tuple)) else list(params)
-        self._written()
+        if self._written_last is not None and self._written_last[0] is not params:
+            self._written()  # the new versions supersede those of the same list
         self._written_last = (params, list(map(version_of, params)))
 
     def _written(self) -> dict[int, int]:
