@@ -165,7 +165,8 @@ class OptimizerRecord:
     def sync_masters_from_model(self) -> None:
         """Refresh masters whose half param was written from outside
         (see :meth:`MasterWeights.sync_from_model`)."""
-        self.masters.sync_pairs(self.master_pairs(), self._master_models_kept)
+        if len(self.masters):  # O1, O3: no master, nothing to walk
+            self.masters.sync_pairs(self.master_pairs(), self._master_models_kept)
 
     def _pairs(self) -> list[tuple[Tensor, Tensor]]:
         """(model param, stepped tensor) for everything the optimizer steps, in ``param_groups``
