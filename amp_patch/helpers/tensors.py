@@ -9,15 +9,16 @@ the scaler, the optimizer machinery, FSDP preparation and gradient clipping.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["GroupKey", "local_tensor", "local_tensors", "group_by_device_and_dtype", "shard_groups",
-           "sum_over_shards", "device_of", "version_of"]
+           "sum_over_shards", "device_of", "version_of", "none_has_grad"]
 
 #: The key of one group: the device and dtype of its tensors.
 GroupKey = tuple[torch.device, torch.dtype]
@@ -26,6 +27,21 @@ GroupKey = tuple[torch.device, torch.dtype]
 #: ``map(device_of, tensors)`` reads a whole list in C (every step walks lists of grads).
 device_of = operator.attrgetter("device")
 version_of = operator.attrgetter("_version")
+_grad_of = operator.attrgetter("grad")
+
+
+def none_has_grad(tensors: Iterable[Tensor]) -> bool:
+    """Whether no tensor of ``tensors`` has a ``.grad``: read in C, or in a loop under
+    ``torch.compile`` (which cannot trace an ``attrgetter``).
+
+    Example::
+
+        >>> none_has_grad([torch.zeros(2, requires_grad=True)])
+        True
+    """
+    if torch.compiler.is_compiling():
+        return all(t.grad is None for t in tensors)
+    return all(map(operator.is_, map(_grad_of, tensors), itertools.repeat(None)))
 
 #: The exact types that are never a DTensor: most lists hold nothing else.
 _PLAIN = frozenset((Tensor, nn.Parameter))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from amp_patch import ops
-from amp_patch.helpers.tensors import group_by_device_and_dtype, version_of
+from amp_patch.helpers.tensors import group_by_device_and_dtype, none_has_grad, version_of
 from amp_patch.optim.fused.state_format import SCALE_SUFFIX, SCALED_CODES
 from amp_patch.settings.dtypes import HALF_DTYPES
 
@@ -149,7 +149,7 @@ class MasterWeights:
         (:meth:`grad_storage`).
         """
         masters = self._master_of.values()
-        if all(master.grad is None for master in masters):  # the one-pass step made none
+        if none_has_grad(masters):  # the one-pass step made none
             return
         for master in masters:
             if master.grad is not None:  # reading .grad costs less than setting it

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 import torch
 from torch import Tensor
 
-from amp_patch.helpers.tensors import local_tensor, local_tensors, version_of
+from amp_patch.helpers.tensors import local_tensor, local_tensors, none_has_grad, version_of
 from amp_patch.optim.amp.grad_state import GradState, GradStates
 from amp_patch.optim.amp.master_weights import MasterWeights, match_state_to_params
 from amp_patch.optim.amp.patched_methods import STEP_INPUTS, PatchedMethods
@@ -234,7 +234,7 @@ class OptimizerRecord:
         if not self.grads.enter_block(delay_unscale):
             return
         pairs = self._pairs()
-        if all(p.grad is None for p in self._model_list_kept):
+        if none_has_grad(self._model_list_kept):
             return  # no grad anywhere (zero_grad set them to None): nothing to move
         for model_p, stepped in pairs:
             if model_p is stepped:
