@@ -35,6 +35,15 @@ def test_o2_weights_loaded_after_initialize_are_not_undone_by_step(how):
         assert torch.equal(master, pretrained[name] if how == "load_state_dict" else p.float())
 
 
+def _train(model, opt, steps):
+    for step in range(steps):
+        x, y = mlp_batch(step)
+        with amp.scale_loss(xent(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("optimizer", ["fused_adam", "sgd"])
 def test_o2_weights_written_by_hand_between_steps_reach_the_masters(optimizer):
     """After steps that wrote the half params (the one-pass step writes them itself), a write
@@ -45,12 +54,7 @@ def test_o2_weights_written_by_hand_between_steps_reach_the_masters(optimizer):
     opt = (FusedAdam(model.parameters(), lr=0.01) if optimizer == "fused_adam"
            else torch.optim.SGD(model.parameters(), lr=0.01))
     amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
-    for step in range(2):
-        x, y = mlp_batch(step)
-        with amp.scale_loss(xent(model(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    _train(model, opt, steps=2)
     written = {name: p.detach().clone() + 1.0 for name, p in model.named_parameters()}
     with torch.no_grad():
         for name, p in list(model.named_parameters())[:2]:  # some params only
@@ -68,12 +72,7 @@ def test_o2_consistent_checkpoint_keeps_exact_fp32_masters():
     model = mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
-    for step in range(3):
-        x, y = mlp_batch(step)
-        with amp.scale_loss(xent(model(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
+    _train(model, opt, steps=3)
     masters = [m.detach().clone() for m in amp.master_params(opt)]
     model.load_state_dict(model.state_dict())  # bumps versions, same values
     opt.step()  # no grads: nothing moves, and masters keep their fp32 bits
