@@ -295,6 +295,8 @@ class KeptBatches:
         given = None if inputs is None else inputs.grads
         if given is None:
             grads = list(map(_grad, params))
+        elif _one_grad_each_in_order(given, params):  # amp's deferred grads: no lookups
+            grads = list(given.values())
         else:  # the step inputs' grads first, as _grad_of reads them
             grads = [g if g is not None else p.grad for g, p in zip(map(given.get, params), params)]
         if list(map(operator.is_not, grads, itertools.repeat(None))) != self.has_grad:
@@ -332,6 +334,15 @@ class KeptBatches:
                 state=lists, low_precision=b.low_precision, split=b.split,
                 block_size=b.block_size))
         return out
+
+
+def _one_grad_each_in_order(grads: Mapping[Tensor, Tensor], params: list[Tensor]) -> bool:
+    """Whether ``grads`` is a dict that maps exactly ``params``, in their order, to grads (no
+    None): its values are then the grads in order, read without hashing a tensor (a tensor's
+    ``__hash__`` is Python code)."""
+    return (type(grads) is dict and len(grads) == len(params)
+            and all(map(operator.is_, grads, params))
+            and not any(map(operator.is_, grads.values(), itertools.repeat(None))))
 
 
 @overload
