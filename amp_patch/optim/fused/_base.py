@@ -198,6 +198,27 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if keep and isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
+    #: What an optimizer keeps of one process's steps: made anew by a copy or an unpickling
+    #: (:meth:`__setstate__`), never carried. Subclasses add their own.
+    _MADE_ANEW: dict[str, Callable[[], Any]] = {"_inputs": lambda: None, "_kept_batches": dict}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (``defaults``, ``state``, ``param_groups``) and this optimizer's own
+        settings (``state_format``, ``adam_w_mode``...), so that ``copy.deepcopy`` and pickle
+        keep them (torch's alone would drop them). Hooks, methods wrapped on the instance (by
+        amp or an LR scheduler) and :attr:`_MADE_ANEW` are left out, as torch leaves them."""
+        state = super().__getstate__()
+        for key, value in self.__dict__.items():
+            hooks = key.startswith("_optimizer_") and key.endswith("_hooks")
+            if not (key in state or key in self._MADE_ANEW or hooks or callable(value)):
+                state[key] = value
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for key, make in self._MADE_ANEW.items():
+            self.__dict__.setdefault(key, make())
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         step = cls.__dict__.get("step")

@@ -73,6 +73,7 @@ class FusedAdam(FusedOptimizer):
     """
 
     _KEEP_SAVED_DTYPE = ("master_param", "exp_avg", "exp_avg_sq")
+    _MADE_ANEW = {**FusedOptimizer._MADE_ANEW, "_device_betas": dict}
     LEAN_STATE = True
 
     def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,

@@ -1,8 +1,11 @@
-"""The fused optimizers' ``step()`` entry (``amp_patch.optim.fused.step_entry``).
+"""What the fused optimizers do in place of ``torch.optim.Optimizer``'s own machinery.
 
-It stands in for torch's ``profile_hook_step`` wrapper, so every test here
-holds it to what torch's own optimizers do: the hooks, their order and their
-power to change the arguments, the profiler's label, and grad mode.
+Their ``step()`` entry (``amp_patch.optim.fused.step_entry``) stands in for
+torch's ``profile_hook_step`` wrapper, their ``zero_grad`` skips torch's
+``record_function`` outside a profiler, and their ``__getstate__`` keeps the
+settings that torch's drops. Every test holds them to what torch's own
+optimizers do: the hooks, their order and their power to change the
+arguments, the profiler's labels, grad mode, and copies that step the same.
 """
 
 from __future__ import annotations
@@ -156,3 +159,49 @@ def test_zero_grad_clears_as_torchs_and_is_labelled_only_under_a_profiler(set_to
     p.grad = torch.ones(4)
     opt.zero_grad(set_to_none=set_to_none)  # no profiler: the plain loop when set to None
     assert (p.grad is None) if set_to_none else torch.equal(p.grad, torch.zeros(4))
+
+
+COPIED = {
+    "adam": lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=False, weight_decay=0.1),
+    "adam-int8": lambda ps: FusedAdam(ps, lr=1e-2, state_format="int8"),
+    "sgd": lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9, wd_after_momentum=True),
+    "lamb": lambda ps: FusedLAMB(ps, lr=1e-2, use_nvlamb=True),
+    "novograd": lambda ps: FusedNovoGrad(ps, lr=1e-2, reg_inside_moment=True),
+    "adagrad": lambda ps: FusedAdagrad(ps, lr=1e-2, adagrad_w_mode=True),
+}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("name", list(COPIED))
+def test_a_copied_optimizer_keeps_its_settings_and_steps_the_same(name, how):
+    """torch's own __getstate__ keeps only defaults, state and param_groups; a fused
+    optimizer's settings (Adam's mode, the state format...) must survive a copy too."""
+    import copy
+    import pickle
+
+    def params():
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(64, 8, generator=gen)) for _ in range(2)]
+
+    def grads(step):
+        gen = torch.Generator().manual_seed(100 + step)
+        return [torch.randn(64, 8, generator=gen) for _ in range(2)]
+
+    opt = COPIED[name](params())
+    opt.register_step_pre_hook(lambda *_: None)  # hooks are not carried, as torch's are not
+    for g, p in zip(grads(0), opt.param_groups[0]["params"]):
+        p.grad = g
+    opt.step()
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    own = {k: v for k, v in vars(opt).items()
+           if not k.startswith("_") and k not in ("defaults", "state", "param_groups")}
+    assert own  # the settings torch's own __getstate__ drops
+    assert {k: getattr(twin, k) for k in own} == own
+    assert not twin._optimizer_step_pre_hooks
+    for step in (1, 2):
+        for o in (opt, twin):
+            for g, p in zip(grads(step), o.param_groups[0]["params"]):
+                p.grad = g
+            o.step()
+    for a, b in zip(opt.param_groups[0]["params"], twin.param_groups[0]["params"]):
+        assert torch.equal(a, b)
