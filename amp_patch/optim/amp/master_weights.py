@@ -178,8 +178,10 @@ class MasterWeights:
         compares the versions alone.
         """
         params = params if isinstance(params, (list, tuple)) else list(params)
+        # Another list than the one kept: fold that one in first. The same list's new
+        # versions simply replace its old ones.
         if self._written_last is not None and self._written_last[0] is not params:
-            self._written()  # the new versions supersede those of the same list
+            self._written()
         self._written_last = (params, list(map(version_of, params)))
 
     def _written(self) -> dict[int, int]:
