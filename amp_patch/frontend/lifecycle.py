@@ -20,7 +20,7 @@ from amp_patch.patching import (
     install as _install_patches,
     regather as _regather,
 )
-from amp_patch.patching.state import disable_casts
+from amp_patch.patching.state import disable_casts, optimizer_step
 from amp_patch.scaler import AmpScaler
 from amp_patch.settings import levels as _levels
 from amp_patch.settings.dtypes import HALF_DTYPES
@@ -255,7 +255,7 @@ def _build(session: _session.AmpSession) -> None:
         if session.sharding is not None:
             _regather.install(session.casts, session.sharding.states, session.on_close)
     for optimizer in session.optimizers:
-        record = _optim.process(optimizer, props.master_dtype, session.on_close, disable_casts,
+        record = _optim.process(optimizer, props.master_dtype, session.on_close, optimizer_step,
                                 optimizer_state=props.optimizer_state)
         session.optimizer_records[id(optimizer)] = record
         _stash.install(optimizer, record, session.on_close)

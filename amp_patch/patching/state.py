@@ -20,7 +20,7 @@ from amp_patch.settings.dtypes import check_half_dtype
 if TYPE_CHECKING:
     from amp_patch.patching.patcher import Patcher
 
-__all__ = ["CastState", "disable_casts", "active", "set_active"]
+__all__ = ["CastState", "disable_casts", "optimizer_step", "active", "set_active"]
 
 
 class CastState:
@@ -43,7 +43,8 @@ class CastState:
             untouched. A plain attribute, because the C wrappers read it on
             every call; only :meth:`paused` writes it.
         cache (WeightCastCache): the weight-cast cache; ``cache.clear()`` ends
-            an iteration (``scale_loss`` calls it on exit).
+            an iteration (``scale_loss`` calls it on exit, and
+            :func:`optimizer_step` after each step).
         patches (Patcher or None): the installed O1 patches (set by
             :func:`amp_patch.patching.install`).
     """
@@ -158,3 +159,34 @@ def disable_casts() -> Iterator[None]:
         return
     with state.paused():
         yield
+
+
+@contextlib.contextmanager
+def optimizer_step() -> Iterator[None]:
+    """The context amp runs an optimizer's ``step()`` in: casts off, the weight casts dropped after.
+
+    Fused optimizer kernels (torch's ``fused=True`` ones and amp_patch's)
+    write the parameters in place without moving their version counters, so
+    the cache cannot tell that a step made its casts stale; without this, a
+    loop that steps without a ``scale_loss`` exit in between (a bf16 O1 loop
+    calling ``loss.backward()`` itself) would train on the first iteration's
+    casts. The cache is dropped also when the step raises, which may have
+    written some parameters. Outside O1 it does nothing.
+
+    Example::
+
+        >>> model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16)
+        >>> with optimizer_step():
+        ...     opt.step()
+        >>> len(active().cache)
+        0
+    """
+    state = active()
+    if state is None:
+        yield
+        return
+    try:
+        with state.paused():
+            yield
+    finally:
+        state.cache.clear()

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_patch
+import amp_patch.optimizers
 from amp_patch import session as amp_session
 from amp_patch.patching.cache import WeightCastCache
 
@@ -121,6 +122,43 @@ def test_clear_and_scale_loss_exit_drop_entries(cache):
     with amp_patch.scale_loss(loss, opt) as scaled:
         scaled.backward()
     assert len(casts) == 0
+
+
+#: Optimizers whose step writes the params in fused kernels that leave the version counters
+#: where they were, and one whose in-place ops move them.
+_STEPPERS = {
+    "torch-fused-AdamW": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),
+    "amp_patch-FusedAdam": lambda params: amp_patch.optimizers.FusedAdam(params, lr=0.1),
+    "torch-fused-SGD": lambda params: torch.optim.SGD(params, lr=0.1, fused=True),
+    "torch-SGD": lambda params: torch.optim.SGD(params, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("stepper", sorted(_STEPPERS))
+@pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16])
+def test_a_step_drops_the_casts_without_a_scale_loss_exit(wrapper_path, half_dtype, stepper):
+    """A loop that calls ``backward()`` itself (no scale_loss exit clears the cache) still
+    casts the stepped weights anew: each forward equals a fresh cast of the current weights."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    opt = _STEPPERS[stepper](lin.parameters())
+    amp_patch.initialize(lin, opt, opt_level="O1", half_dtype=half_dtype, verbosity=0)
+    casts = amp_session.current().casts.cache
+    outs = []
+    for _ in range(3):
+        opt.zero_grad()
+        out = lin(x)
+        with amp_patch.disable_casts():
+            fresh = F.linear(x.to(half_dtype), lin.weight.detach().to(half_dtype),
+                             lin.bias.detach().to(half_dtype))
+        assert torch.equal(out, fresh)
+        outs.append(out.detach())
+        out.float().pow(2).mean().backward()
+        assert len(casts) == 2  # the backward alone leaves them
+        opt.step()
+        assert len(casts) == 0
+    assert not torch.equal(outs[0], outs[-1])  # the weights did move
 
 
 @pytest.mark.parametrize("half_dtype", [torch.bfloat16, torch.float16])
