@@ -182,6 +182,53 @@ def test_overflow_message_logged(caplog):
         r.getMessage() for r in caplog.records]
 
 
+_BYPASS = "backward ran outside scale_loss"
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda params: torch.optim.AdamW(params, lr=0.1),
+    lambda params: amp.optimizers.FusedAdam(params, lr=0.1),
+], ids=["AdamW", "FusedAdam"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_o2_backward_outside_scale_loss_is_warned_once(caplog, make_opt, set_to_none):
+    """Under master weights a plain backward's grads never reach the masters: the step changes
+    nothing (Apex's behaviour), and says so once. Zeros left by zero_grad are not grads."""
+    import amp_patch.optimizers  # noqa: F401  (amp.optimizers)
+    model = mlp()
+    opt = make_opt(model.parameters())
+    amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    x, y = mlp_batch(0)
+    with caplog.at_level(logging.WARNING, logger="amp_patch"):
+        with amp.scale_loss(xent(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        opt.step()  # no backward since: nothing to say (zeros, or no grads)
+        assert not [r for r in caplog.records if _BYPASS in r.getMessage()]
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            opt.zero_grad(set_to_none=set_to_none)
+            xent(model(x), y).backward()
+            opt.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    warned = [r for r in caplog.records if _BYPASS in r.getMessage()]
+    assert len(warned) == 1 and type(opt).__name__ in warned[0].getMessage()
+
+
+def test_o2_no_bypass_warning_in_a_normal_loop(caplog):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with caplog.at_level(logging.WARNING, logger="amp_patch"):
+        for i in range(3):
+            if i:  # the first step comes straight after initialize
+                opt.zero_grad(set_to_none=i % 2 == 0)
+            one_backward(model, opt)
+            opt.step()
+            opt.step()  # a second step over the consumed grads
+    assert not [r for r in caplog.records if _BYPASS in r.getMessage()]
+
+
 def test_o1_cache_cleared_on_entry_and_exit():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -115,6 +115,9 @@ class OptimizerRecord:
         self._warned_grad_write = False
         # Grads of params stepped directly that zero_grad left as zeros: id -> (grad, version).
         self._zeroed_grads: dict[int, tuple[Tensor, int]] = {}
+        # The same for the half params behind the masters, for warn_if_backward_bypassed_amp.
+        self._zeroed_model_grads: dict[int, tuple[Tensor, int]] = {}
+        self._warned_bypass = False
         # _pairs()'s lists, and what they were made from.
         self._pairs_version = -1  # the masters' version the lists were made at
         self._pairs_params: list[list[Tensor]] = []  # each group's params, as they were
@@ -245,11 +248,18 @@ class OptimizerRecord:
             elif model_p.grad is not None:  # reading .grad costs less than setting it
                 model_p.grad = None
 
-    def note_zeroed_grads(self) -> None:
+    def note_zeroed_grads(self, set_to_none: bool) -> None:
         """After the optimizer's ``zero_grad``: the grads its params stepped directly still hold
         are zeros (``set_to_none=False``); remember them, with their version counters, so that
-        :meth:`begin_backward` need not stash them. Only for optimizers that take step inputs,
-        whose ``zero_grad`` is torch's."""
+        :meth:`begin_backward` need not stash them (only for optimizers that take step inputs,
+        whose ``zero_grad`` is torch's), and those of the half params behind the masters, so
+        that :meth:`warn_if_backward_bypassed_amp` does not take zeros for a backward's grads.
+
+        Args:
+            set_to_none (bool): how amp cleared the half params' grads (None: nothing to keep).
+        """
+        self._zeroed_model_grads = {} if set_to_none else {
+            id(m): (m.grad, m.grad._version) for m in self.master_models() if m.grad is not None}
         if not self.takes_step_inputs:
             return
         self._pairs()
@@ -382,6 +392,36 @@ class OptimizerRecord:
         return FusedStepInputs(grads=deferred.grads, model_params=model_params,
                                inv_scale=None if first is None else first.inv_scale,
                                found_inf=found_inf, grad_norms=deferred.norms)
+
+    def warn_if_backward_bypassed_amp(self) -> None:
+        """At ``step()``: warn, once, when half params behind masters hold grads that no
+        ``scale_loss`` exit took: a backward run outside ``scale_loss``.
+
+        Such a step goes over the fp32 masters, which got no grads, so it changes
+        nothing (as in Apex, which said nothing either). Only a step taken before
+        any exit (just after ``initialize``) or right after the optimizer's
+        ``zero_grad`` is looked at: after an exit the half grads are taken
+        (consumed) ones, and the check costs nothing on that path. Grads that
+        ``zero_grad(set_to_none=False)`` zeroed and nothing wrote since are not
+        counted.
+        """
+        if (self._warned_bypass or not len(self.masters)
+                or self.grads.state not in (GradState.READY, GradState.ZEROED)):
+            return
+        models = self.master_models()
+        if none_has_grad(models):
+            return
+        zeroed = self._zeroed_model_grads
+        if all(m.grad is None or _still_zero(zeroed.get(id(m)), m.grad) for m in models):
+            return
+        self._warned_bypass = True
+        logger.warning(
+            "amp_patch: %s.step() found grads on the model's half params that no "
+            "amp.scale_loss exit took: backward ran outside scale_loss. The optimizer steps the "
+            "fp32 master weights, which have no grads, so this step changes nothing. Run the "
+            "backward as `with amp.scale_loss(loss, optimizer) as scaled_loss: "
+            "scaled_loss.backward()` (with bf16 too: it is what hands the grads to the masters).",
+            type(self.optimizer).__name__)
 
     def _warn_if_grads_written(self, deferred: _DeferredGrads) -> None:
         if self._warned_grad_write or (

@@ -70,7 +70,8 @@ class StepRecord(Protocol):
     def step_inputs(self, found_inf: Tensor | None = None) -> FusedStepInputs | None: ...
     def drop_deferred(self) -> None: ...
     def forget_stashed_grads(self) -> None: ...
-    def note_zeroed_grads(self) -> None: ...
+    def note_zeroed_grads(self, set_to_none: bool) -> None: ...
+    def warn_if_backward_bypassed_amp(self) -> None: ...
 
 
 class PatchedMethods:
@@ -149,6 +150,7 @@ class PatchedMethods:
         opt = record.optimizer
         masters = record.masters
         record.sync_masters_from_model()
+        record.warn_if_backward_bypassed_amp()
         skip = record.grads.take_skip("optimizer.step()")
         found_inf = None
         if isinstance(skip, Tensor):
@@ -207,7 +209,7 @@ class PatchedMethods:
         record.masters.release_grads()
         clear_grads(record.master_models(), set_to_none)
         record.forget_stashed_grads()
-        record.note_zeroed_grads()
+        record.note_zeroed_grads(set_to_none)
         return out
 
     def _add_param_group(self, wrapped, instance, args, kwargs):
