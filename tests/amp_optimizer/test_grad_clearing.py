@@ -140,3 +140,50 @@ def test_o2_master_grads_keep_the_params_memory_format():
             assert master.stride() == model_p.stride()
             assert master.grad.stride() == model_p.stride()
         opt.step()
+
+
+class _TwoHeads(torch.nn.Module):
+    """A trunk and two heads, one per step in turn: each head misses every other backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 16)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)])
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return self.heads[step % 2](torch.relu(self.trunk(x)))
+
+
+@pytest.mark.parametrize("set_grad_none", [False, True])
+def test_o2_zero_grad_follows_the_optimizers_own_default(set_grad_none):
+    """FusedSGD zeroes grads by default (``set_grad_none=False``, Apex's). Under O2 the half
+    params' grads are then zeroed too, so the head a backward misses steps on a zero grad (its
+    momentum moves it) as at O0, instead of standing still; with ``set_grad_none=True`` it
+    stands still at both levels."""
+    from amp_patch.optimizers import FusedSGD
+
+    def train(level):
+        torch.manual_seed(0)
+        model = _TwoHeads()
+        opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, set_grad_none=set_grad_none)
+        amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
+        x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+        moved = []
+        for step in range(6):
+            opt.zero_grad()
+            grad = model.heads[1].weight.grad
+            assert (grad is None) if set_grad_none or step <= 1 else not grad.any()
+            before = model.heads[1].weight.detach().clone()
+            with amp.scale_loss(xent(model(x, step), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            moved.append(not torch.equal(before, model.heads[1].weight))
+        amp.deinitialize()
+        return moved, model.heads[1].weight.detach().float()
+
+    moved_o0, weight_o0 = train("O0")
+    moved_o2, weight_o2 = train("O2")
+    # Even steps miss head 1: the first leaves it (no grad yet), the later ones move it by its
+    # momentum unless the grads went to None.
+    assert moved_o2 == moved_o0 == [False, True, not set_grad_none, True, not set_grad_none, True]
+    torch.testing.assert_close(weight_o2, weight_o0, atol=2e-2, rtol=0)
