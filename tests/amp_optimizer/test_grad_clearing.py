@@ -154,18 +154,22 @@ class _TwoHeads(torch.nn.Module):
         return self.heads[step % 2](torch.relu(self.trunk(x)))
 
 
+@pytest.mark.parametrize("larc", [False, True], ids=["FusedSGD", "LARC(FusedSGD)"])
 @pytest.mark.parametrize("set_grad_none", [False, True])
-def test_o2_zero_grad_follows_the_optimizers_own_default(set_grad_none):
+def test_o2_zero_grad_follows_the_optimizers_own_default(set_grad_none, larc):
     """FusedSGD zeroes grads by default (``set_grad_none=False``, Apex's). Under O2 the half
     params' grads are then zeroed too, so the head a backward misses steps on a zero grad (its
     momentum moves it) as at O0, instead of standing still; with ``set_grad_none=True`` it
     stands still at both levels."""
+    from amp_patch.optim.amp.larc import LARC
     from amp_patch.optimizers import FusedSGD
 
     def train(level):
         torch.manual_seed(0)
         model = _TwoHeads()
         opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, set_grad_none=set_grad_none)
+        if larc:  # the default is the wrapped optimizer's
+            opt = LARC(opt)
         amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
         x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
         moved = []

@@ -108,9 +108,13 @@ class LARC:
         """Register ``hook`` on the wrapped optimizer (as amp's checkpoint of the masters does)."""
         return self.optim.register_load_state_dict_post_hook(hook, prepend=prepend)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the wrapped optimizer's grads."""
-        self.optim.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear the wrapped optimizer's grads: by its own default (as Apex's LARC, which took no
+        argument), or to None or to zero as ``set_to_none`` says."""
+        if set_to_none is None:
+            self.optim.zero_grad()
+        else:
+            self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group to the wrapped optimizer."""
