@@ -234,7 +234,6 @@ class OptimizerRecord:
         if delay_unscale:  # its exit moves the grads to SCALED
             return
         zeroed, self._zeroed_grads = self._zeroed_grads, {}
-        zeroed_models, self._zeroed_model_grads = self._zeroed_model_grads, {}
         if not self.grads.enter_block(delay_unscale):
             return
         pairs = self._pairs()
@@ -246,8 +245,7 @@ class OptimizerRecord:
                 if grad is not None and not _still_zero(zeroed.get(id(stepped)), grad):
                     self._stashed[id(stepped)] = grad
                     stepped.grad = None
-            elif model_p.grad is not None and not _still_zero(  # reading .grad costs less
-                    zeroed_models.get(id(model_p)), model_p.grad):  # than setting it
+            elif model_p.grad is not None:  # reading .grad costs less than setting it
                 model_p.grad = None
 
     def note_zeroed_grads(self, set_to_none: bool) -> None:

@@ -204,11 +204,7 @@ class PatchedMethods:
     def _zero_grad(self, wrapped, instance, args, kwargs):
         record = self._record
         out = wrapped(*args, **kwargs)
-        set_to_none = _call_arg(instance, args, kwargs, "set_to_none")
-        if set_to_none is None:  # the optimizer's own default: True, but FusedSGD's is False
-            opt = record.optimizer
-            own = getattr(opt.optim if isinstance(opt, LARC) else opt, "set_grad_none", True)
-            set_to_none = own if isinstance(own, bool) else True
+        set_to_none = _call_arg(instance, args, kwargs, "set_to_none", default=True)
         # Master grads are amp's, not the caller's: released whichever way, as in Apex.
         record.masters.release_grads()
         clear_grads(record.master_models(), set_to_none)
