@@ -181,12 +181,10 @@ def optimizer_step() -> Iterator[None]:
         >>> len(active().cache)
         0
     """
-    state = active()
-    if state is None:
-        yield
-        return
     try:
-        with state.paused():
+        with disable_casts():
             yield
     finally:
-        state.cache.clear()
+        state = active()
+        if state is not None:
+            state.cache.clear()

@@ -113,10 +113,10 @@ class OptimizerRecord:
         self._stashed: dict[int, Tensor] = {}
         self._deferred_grads: _DeferredGrads | None = None
         self._warned_grad_write = False
-        # Grads of params stepped directly that zero_grad left as zeros: id -> (grad, version).
+        # Grads that zero_grad left as zeros, id -> (grad, version): of params stepped directly
+        # (for begin_backward) and of the half params behind the masters (for
+        # warn_if_backward_bypassed_amp).
         self._zeroed_grads: dict[int, tuple[Tensor, int]] = {}
-        # The same for the half params behind the masters, for warn_if_backward_bypassed_amp.
-        self._zeroed_model_grads: dict[int, tuple[Tensor, int]] = {}
         self._warned_bypass = False
         # _pairs()'s lists, and what they were made from.
         self._pairs_version = -1  # the masters' version the lists were made at
@@ -258,12 +258,14 @@ class OptimizerRecord:
         Args:
             set_to_none (bool): how amp cleared the half params' grads (None: nothing to keep).
         """
-        self._zeroed_model_grads = {} if set_to_none else {
-            id(m): (m.grad, m.grad._version) for m in self.master_models() if m.grad is not None}
-        if not self.takes_step_inputs:
+        if set_to_none and not self.takes_step_inputs:
+            self._zeroed_grads = {}
             return
         self._pairs()
-        self._zeroed_grads = {id(p): (p.grad, p.grad._version) for p in self._direct_list_kept
+        zeroed = [] if set_to_none else self._master_models_kept
+        if self.takes_step_inputs:
+            zeroed = zeroed + self._direct_list_kept
+        self._zeroed_grads = {id(p): (p.grad, p.grad._version) for p in zeroed
                               if p.grad is not None}
 
     def collect_unscale(self, in_place: list, copy: tuple[list, list],
@@ -411,7 +413,7 @@ class OptimizerRecord:
         models = self.master_models()
         if none_has_grad(models):
             return
-        zeroed = self._zeroed_model_grads
+        zeroed = self._zeroed_grads
         if all(m.grad is None or _still_zero(zeroed.get(id(m)), m.grad) for m in models):
             return
         self._warned_bypass = True
