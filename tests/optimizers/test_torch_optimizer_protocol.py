@@ -1,4 +1,5 @@
-"""What the fused optimizers do in place of ``torch.optim.Optimizer``'s own machinery.
+"""What the fused optimizers, and amp's patched methods of torch's optimizers, do in place of
+``torch.optim.Optimizer``'s own machinery.
 
 Their ``step()`` entry (``amp_patch.optim.fused.step_entry``) stands in for
 torch's ``profile_hook_step`` wrapper, their ``zero_grad`` skips torch's
@@ -34,6 +35,16 @@ def _param():
     return p
 
 
+def _amp_sgd(params):
+    """torch's SGD as amp's O1 patched it: its step reaches torch's body through amp's entry."""
+    import amp_patch as amp
+
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(list(params), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    return opt
+
+
 def _hook_order(opt):
     calls = []
     handles = [
@@ -50,11 +61,12 @@ def _hook_order(opt):
     return [(name, o is opt) for name, o in calls]
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [*OPTIMIZERS, "amp-torch"],
+                         ids=lambda c: getattr(c, "__name__", c))
 def test_the_hooks_run_once_each_in_torchs_order(cls):
     """A subclass's own step (FusedAdam's, FusedSGD's) calls the base's: the hooks still run
-    once, in the order torch's own optimizers run them."""
-    ours = _hook_order(cls([_param()], lr=0.1))
+    once, in the order torch's own optimizers run them; so does torch's step under amp."""
+    ours = _hook_order(_amp_sgd([_param()]) if cls == "amp-torch" else cls([_param()], lr=0.1))
     theirs = _hook_order(torch.optim.SGD([_param()], lr=0.1))
     assert ours == theirs == [("global pre", True), ("pre", True), ("post", True),
                               ("global post", True)]
@@ -66,15 +78,35 @@ def test_torch_does_not_wrap_the_entry_again():
     assert type(opt).step is FusedAdam.step  # torch's Optimizer.__init__ left it alone
 
 
-def test_a_pre_hook_may_replace_the_arguments():
-    opt = FusedSGD([_param()], lr=0.1)
+#: The step entries held to torch's own: torch's SGD, a fused one, and torch's under amp.
+ENTRIES = {
+    "torch": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "fused": lambda ps: FusedSGD(ps, lr=0.1),
+    "amp-torch": _amp_sgd,
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_the_hooks_get_the_arguments_as_torch_hands_them(entry):
+    """torch calls ``hook(opt, args, kwargs)`` with the optimizer first in ``args``."""
+    opt = ENTRIES[entry]([_param()])
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", args, kwargs)))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", args, kwargs)))
+    opt.step(closure=None)
+    assert seen == [("pre", (opt,), {"closure": None}), ("post", (opt,), {"closure": None})]
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_pre_hook_may_replace_the_arguments(entry):
+    opt = ENTRIES[entry]([_param()])
     closure_calls = []
 
     def closure():
         closure_calls.append(torch.is_grad_enabled())
         return torch.tensor(3.0)
 
-    opt.register_step_pre_hook(lambda o, args, kwargs: ((), {"closure": closure}))
+    opt.register_step_pre_hook(lambda o, args, kwargs: ((o,), {"closure": closure}))
     assert opt.step().item() == 3.0
     assert closure_calls == [True]  # the closure runs with grad mode on
 
@@ -128,13 +160,18 @@ def test_a_subclass_step_gets_the_entry_too():
     assert Counting.step.hooked
 
 
-@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD], ids=lambda c: c.__name__)
-def test_a_profiler_sees_the_step_label(cls):
-    opt = cls([_param()], lr=0.1)
+@pytest.mark.parametrize("make", [FusedAdam, FusedSGD, _amp_sgd],
+                         ids=["FusedAdam", "FusedSGD", "amp-torch-SGD"])
+def test_a_profiler_sees_the_step_label(make):
+    opt = make([_param()], lr=0.1) if make is not _amp_sgd else make([_param()])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.step()
     names = [e.name for e in prof.events()]
-    assert names.count(f"Optimizer.step#{cls.__name__}.step") == 1
+    assert names.count(f"Optimizer.step#{type(opt).__name__}.step") == 1
+    param = opt.param_groups[0]["params"][0]
+    before = param.detach().clone()
+    opt.step()  # and without a profiler the step still runs, unlabelled
+    assert not torch.equal(param.detach(), before)
 
 
 def test_the_step_changes_the_params_as_before():
@@ -147,13 +184,15 @@ def test_the_step_changes_the_params_as_before():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("make", [FusedAdam, _amp_sgd], ids=["FusedAdam", "amp-torch-SGD"])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_clears_as_torchs_and_is_labelled_only_under_a_profiler(set_to_none):
+def test_zero_grad_clears_as_torchs_and_is_labelled_only_under_a_profiler(set_to_none, make):
     p, q = _param(), torch.nn.Parameter(torch.ones(3))  # q has no grad
-    opt = FusedAdam([p, q])
+    opt = make([p, q])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.zero_grad(set_to_none=set_to_none)
-    assert [e.name for e in prof.events()].count("Optimizer.zero_grad#FusedAdam.zero_grad") == 1
+    label = f"Optimizer.zero_grad#{type(opt).__name__}.zero_grad"
+    assert [e.name for e in prof.events()].count(label) == 1
     assert (p.grad is None) if set_to_none else torch.equal(p.grad, torch.zeros(4))
     assert q.grad is None
     p.grad = torch.ones(4)

@@ -31,6 +31,12 @@ from torch import Tensor
 from amp_patch.optim.amp.larc import LARC
 from amp_patch.optim.amp.master_weights import clear_grads
 from amp_patch.optim.fused import FusedStepInputs
+from amp_patch.optim.fused.step_entry import (
+    grads_to_none,
+    labelled,
+    run_step_hooks,
+    unlabelled_step,
+)
 
 if TYPE_CHECKING:
     from amp_patch.optim.amp.grad_state import GradStates
@@ -46,6 +52,8 @@ logger = logging.getLogger("amp_patch")
 STEP_INPUTS = "fused_step_inputs"
 
 _MISSING = object()
+#: torch's ``Optimizer.zero_grad``: set to None, amp's wrapper runs its loop without the label.
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 _POSITIONS = {"closure": 0, "set_to_none": 0, "param_group": 0}
 
 
@@ -189,7 +197,7 @@ class PatchedMethods:
             elif found_inf is not None:
                 out = _step_with_found_inf(opt, found_inf, wrapped, args, kwargs)
             elif inputs is None:
-                out = wrapped(*args, **kwargs)
+                out = _call_step(wrapped, instance, args, kwargs)
             else:
                 with step_inputs(inputs):
                     out = wrapped(*args, **kwargs)
@@ -203,8 +211,11 @@ class PatchedMethods:
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
         record = self._record
-        out = wrapped(*args, **kwargs)
         set_to_none = _call_arg(instance, args, kwargs, "set_to_none", default=True)
+        if wrapped is _TORCH_ZERO_GRAD and instance is None and set_to_none and not labelled():
+            out = grads_to_none(args[0])  # torch's loop without its label (step_entry)
+        else:
+            out = wrapped(*args, **kwargs)
         # Master grads are amp's, not the caller's: released whichever way, as in Apex.
         record.masters.release_grads()
         clear_grads(record.master_models(), set_to_none)
@@ -297,6 +308,16 @@ def _step_with_found_inf(opt: torch.optim.Optimizer, found_inf: Tensor, wrapped:
         return wrapped(*args, **kwargs)
     finally:
         del opt.grad_scale, opt.found_inf  # type: ignore[attr-defined]
+
+
+def _call_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Call a torch optimizer's ``step`` as torch's wrapper would, but without its label when
+    no profiler runs (:func:`~amp_patch.optim.fused.step_entry.unlabelled_step`): the hooks and
+    the profiler's look run all the same."""
+    body = unlabelled_step(wrapped) if instance is None else None
+    if body is None:
+        return wrapped(*args, **kwargs)
+    return run_step_hooks(args[0], body, args, kwargs)
 
 
 def _drop_self(bound_or_function: Callable) -> Callable:

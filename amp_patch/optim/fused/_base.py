@@ -24,7 +24,7 @@ from amp_patch.optim.fused import state_format as _formats
 from amp_patch.optim.fused.batches import Batch, FusedStepInputs, KeptBatches, build_batches
 from amp_patch.optim.fused.norms import grad_norms
 from amp_patch.optim.fused.state_format import SCALE_SUFFIX, QuantizedState, StateFormat
-from amp_patch.optim.fused.step_entry import hooked_step, labelled
+from amp_patch.optim.fused.step_entry import grads_to_none, hooked_step, labelled
 from amp_patch.optim.fused.steps import found_inf_read, grad_scaler_inputs
 from amp_patch.settings.dtypes import HALF_DTYPES
 
@@ -106,10 +106,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not set_to_none or labelled():
             super().zero_grad(set_to_none)
             return
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:  # reading .grad costs less than setting it
-                    p.grad = None
+        grads_to_none(self)
 
     def set_state_format(self, state_format: str | StateFormat,
                          stochastic_rounding: bool | None = None) -> StateFormat:

@@ -1,23 +1,30 @@
-"""The entry of a fused optimizer's ``step()``: torch's step hooks and profiler label, for less.
-
-(``zero_grad`` likewise opens torch's label only while :func:`labelled`.)
+"""Optimizer entries without torch's per-call profiler label: ``step()`` and ``zero_grad()``.
 
 ``torch.optim.Optimizer`` wraps every subclass's ``step`` (``profile_hook_step``):
 the wrapper opens a ``record_function`` and walks the global and per-optimizer
 pre- and post-hooks at every call, whether or not a profiler or a hook is
-there. On a step bound by the host that costs as much as the rest of the step's
-Python (docs/benchmarks.md, section host-bound). :func:`hooked_step` gives the
-fused optimizers the same entry, marked ``hooked`` so that torch does not wrap
-it again:
+there; its ``zero_grad`` opens a label too. On a step bound by the host that
+costs as much as the rest of the step's Python (docs/benchmarks.md, section
+host-bound). This module gives the same entries for less:
 
-- the step pre-hooks, global then the optimizer's (a hook may return new
-  ``(args, kwargs)``), and the post-hooks, the optimizer's then global, as torch
-  calls them;
+- :func:`hooked_step`: the fused optimizers' ``step``, marked ``hooked`` so that
+  torch does not wrap it again;
+- :func:`run_step_hooks` and :func:`unlabelled_step`: amp's patched ``step`` of
+  a torch optimizer calls torch's body through them
+  (:mod:`amp_patch.optim.amp.patched_methods`);
+- :func:`grads_to_none`: ``zero_grad(set_to_none=True)``'s loop, for both.
+
+Each keeps what torch's wrapper does:
+
+- the step pre-hooks, global then the optimizer's, called as torch calls them,
+  ``hook(optimizer, args, kwargs)`` with the optimizer first in ``args`` (a hook
+  may return new ``(args, kwargs)``), and the post-hooks, the optimizer's then
+  global;
 - ``_optimizer_step_code()``, where torch's profiler looks at the optimizer;
 - the label ``Optimizer.step#<class>.step`` while a profiler runs (and always
   under ``torch.compile``, which handles the label itself);
-- grad mode off for the body, as ``torch.no_grad()`` would (the body turns it
-  on for a closure).
+- for :func:`hooked_step`, grad mode off for the body, as ``torch.no_grad()``
+  would (the body turns it on for a closure).
 
 A subclass's own ``step`` that calls ``super().step()`` runs the hooks once:
 only the entry that ``type(opt).step`` names runs them.
@@ -27,9 +34,9 @@ Example::
     >>> from amp_patch.optim.fused import FusedSGD
     >>> opt = FusedSGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
     >>> calls = []
-    >>> handle = opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    >>> handle = opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(args[0] is o))
     >>> opt.step(); calls
-    ['pre']
+    [True]
     >>> handle.remove()
 """
 
@@ -41,7 +48,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-__all__ = ["hooked_step", "labelled"]
+__all__ = ["hooked_step", "labelled", "run_step_hooks", "unlabelled_step", "grads_to_none"]
 
 _Step = TypeVar("_Step", bound=Callable[..., Any])
 
@@ -62,15 +69,24 @@ def hooked_step(body: _Step) -> _Step:
         wrapping ``step``).
     """
 
+    def without_grad(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return body(*args, **kwargs)
+        torch.set_grad_enabled(False)
+        try:
+            return body(*args, **kwargs)
+        finally:
+            torch.set_grad_enabled(True)
+
     @functools.wraps(body)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         if type(self).step is not step:  # reached through super() from the entry that ran them
-            return _without_grad(body, self, args, kwargs)
+            return without_grad(self, *args, **kwargs)
         if labelled():
             with torch.autograd.profiler.record_function(
                     f"Optimizer.step#{type(self).__name__}.step"):
-                return _with_hooks(self, body, args, kwargs)
-        return _with_hooks(self, body, args, kwargs)
+                return run_step_hooks(self, without_grad, (self, *args), kwargs)
+        return run_step_hooks(self, without_grad, (self, *args), kwargs)
 
     step.hooked = True  # type: ignore[attr-defined]
     return step  # type: ignore[return-value]
@@ -82,9 +98,22 @@ def labelled() -> bool:
     return torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
 
 
-def _with_hooks(opt: Any, body: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """torch's order: pre-hooks (global, then the optimizer's), the step, the profiler's
-    look, post-hooks (the optimizer's, then global)."""
+def run_step_hooks(opt: Any, body: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``body(*args, **kwargs)`` between ``opt``'s step hooks, as torch's wrapper runs them.
+
+    torch's order: pre-hooks (global, then the optimizer's), the body, the
+    profiler's look (``_optimizer_step_code()``), post-hooks (the optimizer's,
+    then global). No label: the caller opens it where :func:`labelled`.
+
+    Args:
+        opt (torch.optim.Optimizer): the optimizer whose hooks run.
+        body (callable): the step body, called with the (possibly replaced) arguments.
+        args (tuple): positional arguments, ``opt`` first, as torch hands them to the hooks.
+        kwargs (dict): keyword arguments.
+
+    Raises:
+        RuntimeError: a pre-hook returned something other than None or ``(args, kwargs)``.
+    """
     pre = opt._optimizer_step_pre_hooks
     if _GLOBAL_PRE_HOOKS or pre:
         for hook in (*_GLOBAL_PRE_HOOKS.values(), *pre.values()):
@@ -95,7 +124,7 @@ def _with_hooks(opt: Any, body: Callable[..., Any], args: tuple, kwargs: dict) -
                 raise RuntimeError(f"{type(opt).__name__}.step's pre-hook {hook!r} must return "
                                    f"None or a tuple (new_args, new_kwargs), but got {result!r}")
             args, kwargs = result
-    out = _without_grad(body, opt, args, kwargs)
+    out = body(*args, **kwargs)
     opt._optimizer_step_code()
     post = opt._optimizer_step_post_hooks
     if post or _GLOBAL_POST_HOOKS:
@@ -104,12 +133,36 @@ def _with_hooks(opt: Any, body: Callable[..., Any], args: tuple, kwargs: dict) -
     return out
 
 
-def _without_grad(body: Callable[..., Any], opt: Any, args: tuple, kwargs: dict) -> Any:
-    enabled = torch.is_grad_enabled()
-    if not enabled:
-        return body(opt, *args, **kwargs)
-    torch.set_grad_enabled(False)
-    try:
-        return body(opt, *args, **kwargs)
-    finally:
-        torch.set_grad_enabled(enabled)
+#: The code of the wrapper torch's ``Optimizer.profile_hook_step`` puts around a ``step``.
+_TORCH_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+
+
+def unlabelled_step(step: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The body of a torch-wrapped ``step``, to call through :func:`run_step_hooks`, or None.
+
+    Args:
+        step (callable): a class's ``step`` as torch's ``Optimizer`` left it.
+
+    Returns:
+        callable or None: the function torch's ``profile_hook_step`` wrapped
+        (its ``__wrapped__``), when ``step`` is that wrapper and no label is
+        wanted (:func:`labelled` is False); else None, and ``step`` is called as it is.
+
+    Example::
+
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> unlabelled_step(type(opt).step) is torch.optim.SGD.step.__wrapped__
+        True
+    """
+    if getattr(step, "__code__", None) is not _TORCH_STEP_WRAPPER or labelled():
+        return None
+    return getattr(step, "__wrapped__", None)
+
+
+def grads_to_none(opt: Any) -> None:
+    """Set the grad of every param of ``opt`` to None: ``zero_grad(set_to_none=True)``'s loop
+    without torch's label (call it where :func:`labelled` is False)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:  # reading .grad costs less than setting it
+                p.grad = None
