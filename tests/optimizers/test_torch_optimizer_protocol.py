@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -39,8 +40,10 @@ def _amp_sgd(params):
     """torch's SGD as amp's O1 patched it: its step reaches torch's body through amp's entry."""
     import amp_patch as amp
 
-    model = torch.nn.Linear(1, 1)
-    opt = torch.optim.SGD(list(params), lr=0.1)
+    params = list(params)
+    model = torch.nn.Module()
+    model.params = torch.nn.ParameterList(params)  # amp warns of params no model passed holds
+    opt = torch.optim.SGD(params, lr=0.1)
     amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
     return opt
 
@@ -244,3 +247,47 @@ def test_a_copied_optimizer_keeps_its_settings_and_steps_the_same(name, how):
             o.step()
     for a, b in zip(opt.param_groups[0]["params"], twin.param_groups[0]["params"]):
         assert torch.equal(a, b)
+
+
+class _LabelOps(TorchDispatchMode):
+    """Counts the ``record_function`` ops (a label opened) that reach the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_record_function_enter_new":
+            self.labels += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scheduler", ["none", "before", "after"])
+def test_amps_torch_step_opens_no_label_outside_a_profiler(scheduler):
+    """amp's step and zero_grad of a torch optimizer run torch's body and loop unlabelled,
+    also when an LR scheduler made after initialize binds the step again; one made before
+    initialize put its own function on the instance, which is called as it is."""
+    import amp_patch as amp
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    made = []
+    if scheduler == "before":
+        made.append(torch.optim.lr_scheduler.StepLR(opt, step_size=1))
+    amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    if scheduler == "after":
+        made.append(torch.optim.lr_scheduler.StepLR(opt, step_size=1))
+    hooks = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: hooks.append(args[0] is o))
+    model(torch.ones(3, 4)).sum().backward()
+    counter = _LabelOps()
+    with counter:
+        opt.step()
+        opt.zero_grad()
+    assert hooks == [True]
+    # torch's step wrapper, reached through the function a scheduler made before put on the
+    # instance, opens its label; nothing else does.
+    assert counter.labels == (1 if scheduler == "before" else 0)
+    assert all(p.grad is None for p in model.parameters())
+    for sched in made:
+        sched.step()  # no "lr_scheduler.step() before optimizer.step()" warning: it saw the step

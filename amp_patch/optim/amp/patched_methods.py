@@ -212,8 +212,8 @@ class PatchedMethods:
     def _zero_grad(self, wrapped, instance, args, kwargs):
         record = self._record
         set_to_none = _call_arg(instance, args, kwargs, "set_to_none", default=True)
-        if wrapped is _TORCH_ZERO_GRAD and instance is None and set_to_none and not labelled():
-            out = grads_to_none(args[0])  # torch's loop without its label (step_entry)
+        if set_to_none and _is_torch_zero_grad(wrapped, instance) and not labelled():
+            out = grads_to_none(record.optimizer)  # torch's loop without its label (step_entry)
         else:
             out = wrapped(*args, **kwargs)
         # Master grads are amp's, not the caller's: released whichever way, as in Apex.
@@ -313,11 +313,24 @@ def _step_with_found_inf(opt: torch.optim.Optimizer, found_inf: Tensor, wrapped:
 def _call_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Call a torch optimizer's ``step`` as torch's wrapper would, but without its label when
     no profiler runs (:func:`~amp_patch.optim.fused.step_entry.unlabelled_step`): the hooks and
-    the profiler's look run all the same."""
-    body = unlabelled_step(wrapped) if instance is None else None
+    the profiler's look run all the same.
+
+    Reached through the instance's MethodType, ``wrapped`` is the class's function and
+    ``args`` starts with the optimizer; bound again (an LR scheduler made after
+    initialize), ``wrapped`` is a bound method and ``instance`` the optimizer.
+    """
+    if instance is None:
+        body, full_args = unlabelled_step(wrapped), args
+    else:
+        body, full_args = unlabelled_step(getattr(wrapped, "__func__", None)), (instance, *args)
     if body is None:
         return wrapped(*args, **kwargs)
-    return run_step_hooks(args[0], body, args, kwargs)
+    return run_step_hooks(full_args[0], body, full_args, kwargs)
+
+
+def _is_torch_zero_grad(wrapped: Callable, instance: Any) -> bool:
+    """Whether ``wrapped`` is torch's own ``Optimizer.zero_grad`` (as a function or bound)."""
+    return (wrapped if instance is None else getattr(wrapped, "__func__", None)) is _TORCH_ZERO_GRAD
 
 
 def _drop_self(bound_or_function: Callable) -> Callable:

@@ -137,11 +137,11 @@ def run_step_hooks(opt: Any, body: Callable[..., Any], args: tuple, kwargs: dict
 _TORCH_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
 
 
-def unlabelled_step(step: Callable[..., Any]) -> Callable[..., Any] | None:
+def unlabelled_step(step: Any) -> Callable[..., Any] | None:
     """The body of a torch-wrapped ``step``, to call through :func:`run_step_hooks`, or None.
 
     Args:
-        step (callable): a class's ``step`` as torch's ``Optimizer`` left it.
+        step: a class's ``step`` as torch's ``Optimizer`` left it (anything else gives None).
 
     Returns:
         callable or None: the function torch's ``profile_hook_step`` wrapped
