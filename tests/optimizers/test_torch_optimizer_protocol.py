@@ -291,3 +291,27 @@ def test_amps_torch_step_opens_no_label_outside_a_profiler(scheduler):
     assert all(p.grad is None for p in model.parameters())
     for sched in made:
         sched.step()  # no "lr_scheduler.step() before optimizer.step()" warning: it saw the step
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_fused_optimizer_under_amp_leaves_amp_behind(level, how):
+    """torch's copy of an optimizer keeps defaults, state and param_groups; a fused one's
+    keeps its settings too, but not what amp (or a scheduler) put on the instance: it
+    pickles, and after deinitialize the copy may be passed to initialize."""
+    import copy
+    import pickle
+
+    import amp_patch as amp
+
+    model = torch.nn.Linear(4, 3)
+    opt = FusedAdam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                verbosity=0)
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert not [k for k in vars(twin) if k.startswith("_amp")]
+    assert twin.adam_w_mode == opt.adam_w_mode
+    amp.deinitialize()
+    holder = torch.nn.Module()
+    holder.params = torch.nn.ParameterList(twin.param_groups[0]["params"])
+    amp.initialize(holder, twin, opt_level="O0", verbosity=0)

@@ -201,13 +201,14 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's state (``defaults``, ``state``, ``param_groups``) and this optimizer's own
-        settings (``state_format``, ``adam_w_mode``...), so that ``copy.deepcopy`` and pickle
-        keep them (torch's alone would drop them). Hooks, methods wrapped on the instance (by
-        amp or an LR scheduler) and :attr:`_MADE_ANEW` are left out, as torch leaves them."""
+        settings (``state_format``, ``adam_w_mode``...: its public attributes), so that
+        ``copy.deepcopy`` and pickle keep them (torch's alone would drop them). What torch
+        leaves out stays out: hooks, methods wrapped on the instance (by amp or an LR
+        scheduler), :attr:`_MADE_ANEW`, and every other private attribute, such as the marker
+        ``amp_patch.initialize`` puts on an optimizer it took and a scheduler's flag."""
         state = super().__getstate__()
         for key, value in self.__dict__.items():
-            hooks = key.startswith("_optimizer_") and key.endswith("_hooks")
-            if not (key in state or key in self._MADE_ANEW or hooks or callable(value)):
+            if not (key.startswith("_") or key in state or callable(value)):
                 state[key] = value
         return state
 
