@@ -315,3 +315,30 @@ def test_a_copy_of_a_fused_optimizer_under_amp_leaves_amp_behind(level, how):
     holder = torch.nn.Module()
     holder.params = torch.nn.ParameterList(twin.param_groups[0]["params"])
     amp.initialize(holder, twin, opt_level="O0", verbosity=0)
+
+
+@pytest.mark.parametrize("level", [None, "O0", "O2"])
+def test_add_param_group_stores_the_callers_dict_and_refuses_as_torch(level):
+    import amp_patch as amp
+
+    def made():
+        model = torch.nn.Linear(4, 3)
+        extra = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if level is not None:
+            amp.initialize([model, extra], opt, opt_level=level, half_dtype=torch.bfloat16,
+                           verbosity=0)
+        return extra, opt
+
+    extra, opt = made()
+    group = {"params": (p for p in extra.parameters())}  # a generator, read once
+    opt.add_param_group(group)
+    assert opt.param_groups[-1] is group and group["lr"] == 0.1  # torch fills in its defaults
+    group["lr"] = 0.01  # and a later edit of the caller's dict is the optimizer's
+    assert opt.param_groups[-1]["lr"] == 0.01
+    with pytest.raises(TypeError, match="ordered collections"):
+        opt.add_param_group({"params": {torch.nn.Parameter(torch.ones(1))}})
+    with pytest.raises(KeyError):
+        opt.add_param_group({"lr": 0.1})
+    if level is not None:
+        amp.deinitialize()

@@ -226,17 +226,14 @@ class PatchedMethods:
     def _add_param_group(self, wrapped, instance, args, kwargs):
         record = self._record
         group = _call_arg(instance, args, kwargs, "param_group")
-        params = group.get("params", ()) if isinstance(group, dict) else ()
-        params = [params] if isinstance(params, Tensor) else list(params)
-        if any(record.masters.master_for(p) is not None for p in params):
-            # torch's own duplicate check compares with param_groups, which hold the masters.
-            raise ValueError("some parameters appear in more than one parameter group")
-        if isinstance(group, dict):
-            group = dict(group, params=params)  # a generator may be read only once
-            if "param_group" in kwargs:
-                kwargs = dict(kwargs, param_group=group)
-            else:
-                args = args[:len(args) - 1] + (group,)
+        params = group.get("params") if isinstance(group, dict) else None
+        if params is not None and not isinstance(params, set):
+            # A generator may be read only once. torch stores the caller's dict and makes its
+            # params a list in place too; a set, a missing key or a non-dict it refuses itself.
+            group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
+            if any(record.masters.master_for(p) is not None for p in params):
+                # torch's own duplicate check compares with param_groups, which hold the masters.
+                raise ValueError("some parameters appear in more than one parameter group")
         out = wrapped(*args, **kwargs)
         if record.master_weights:
             opt = record.optimizer
