@@ -293,6 +293,52 @@ def test_amps_torch_step_opens_no_label_outside_a_profiler(scheduler):
         sched.step()  # no "lr_scheduler.step() before optimizer.step()" warning: it saw the step
 
 
+def _trained_o2(make, scheduler=None):
+    """A Linear and its optimizer at O2 (bf16), a backward taken, ready to step."""
+    import amp_patch as amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = make(model.parameters())
+    made = torch.optim.lr_scheduler.StepLR(opt, step_size=1) if scheduler == "before" else None
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                verbosity=0)
+    if scheduler == "after":
+        made = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    return model, opt, made
+
+
+O2_OPTIMIZERS = {
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "AdamW-fused": lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+    "FusedAdam": lambda ps: FusedAdam(ps, lr=0.1),
+    "FusedSGD": lambda ps: FusedSGD(ps, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("scheduler", [None, "before", "after"])
+@pytest.mark.parametrize("name", list(O2_OPTIMIZERS))
+def test_step_post_hooks_see_and_write_the_model_after_the_step(name, scheduler):
+    """Without amp a post-hook (an EMA, a clamp) reads and writes the updated params; at O2
+    the masters reach the model before any hook runs, and what a hook writes stays."""
+    model, opt, _ = _trained_o2(O2_OPTIMIZERS[name], scheduler)
+    before = model.weight.detach().clone()
+    seen = []
+
+    def clamp(o, args, kwargs):
+        seen.append(model.weight.detach().clone())
+        with torch.no_grad():
+            model.weight.clamp_(-0.01, 0.01)
+
+    opt.register_step_post_hook(clamp)
+    opt.step()
+    assert not torch.equal(seen[0], before)  # the hook saw the stepped weights
+    clamped = model.weight.detach().clamp(-0.01, 0.01)  # in the weights' dtype, as the hook
+    assert torch.equal(model.weight.detach(), clamped)  # and its write was not overwritten
+
+
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_of_a_fused_optimizer_under_amp_leaves_amp_behind(level, how):

@@ -9,6 +9,12 @@ wrapped in turn, keeping the scheduler's bookkeeping. Once the record is
 inactive (after deinitialize) a wrapper that could not be removed, because a
 scheduler wrapped it in turn, passes calls straight through.
 
+Where the step leaves the model to amp (O2 with an optimizer that does not
+write the model in its own pass), the master-to-model copy is made by a step
+post-hook that amp puts first in the optimizer's registry: every other
+post-hook then sees, and may write, the model as it is after the step, as
+without amp. A step that runs no hooks gets the copy after it returns.
+
 A step is skipped on the device where the optimizer takes the overflow flag as
 a tensor: amp_patch's fused optimizers through their step inputs (their
 kernels' ``noop``), torch's fused ones (``_step_supports_amp_scaling``) through
@@ -20,6 +26,7 @@ state tensor, including the step counters (docs/design.md, "Host syncs").
 
 from __future__ import annotations
 
+import collections
 import logging
 import types
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol
@@ -104,6 +111,9 @@ class PatchedMethods:
         self._record = record
         self._step_context = step_context
         self._saved: dict[str, Any] = {}
+        # Set while a step owes the master-to-model copy; the first step post-hook makes it.
+        self._copy_pending = False
+        self._post_hook: Any = None
 
     # ------------------------------------------------------------ installing
 
@@ -112,9 +122,19 @@ class PatchedMethods:
         self._patch("step", self._step)
         self._patch("zero_grad", self._zero_grad)
         self._patch("add_param_group", self._add_param_group)
+        opt = self._record.optimizer
+        hooks = getattr(opt, "_optimizer_step_post_hooks", None)
+        if isinstance(hooks, collections.OrderedDict):  # torch's registry (a LARC has none)
+            # Runs first among the step post-hooks, so that every hook (an EMA, a weight
+            # clamp) sees and writes the model as it is after the step, as without amp.
+            self._post_hook = opt.register_step_post_hook(self._copy_to_model)
+            hooks.move_to_end(self._post_hook.id, last=False)
 
     def restore(self) -> None:
         """Put the original methods back, last in first out."""
+        if self._post_hook is not None:
+            self._post_hook.remove()
+            self._post_hook = None
         opt = self._record.optimizer_or_none()
         if opt is None:
             return
@@ -188,12 +208,31 @@ class PatchedMethods:
         step_inputs = getattr(opt, STEP_INPUTS, None)
         flag_in_inputs = found_inf is not None and callable(step_inputs)
         inputs = record.step_inputs(found_inf if flag_in_inputs else None)
+        # The step writes the model itself where its inputs carry the model params; otherwise
+        # the masters are copied into the model after it, by the first post-hook if one runs.
+        copies = inputs is None or (flag_in_inputs and inputs.model_params is None)
+        self._copy_pending = copies and bool(len(masters))
+        try:
+            out = self._call(wrapped, instance, args, kwargs, inputs, found_inf, flag_in_inputs)
+        finally:
+            copy_owed, self._copy_pending = self._copy_pending, False
+        if len(masters):
+            if copy_owed:  # no post-hook ran (a step that runs none, a LARC's)
+                masters.copy_to_model(record.stepped_params())
+            elif not copies:
+                masters.mark_written(record.master_models())  # the step inputs' model params
+            masters.release_grads()
+        return out
+
+    def _call(self, wrapped, instance, args, kwargs, inputs, found_inf, flag_in_inputs):
+        """The optimizer's own step, in the step context, with the overflow flag and the step
+        inputs where it takes them."""
+        opt = self._record.optimizer
+        step_inputs = getattr(opt, STEP_INPUTS, None)
         with self._step_context():
             if flag_in_inputs:
-                inputs = inputs or FusedStepInputs(found_inf=found_inf)
-                with step_inputs(inputs):
+                with step_inputs(inputs or FusedStepInputs(found_inf=found_inf)):
                     out = wrapped(*args, **kwargs)
-                inputs = None if inputs.model_params is None else inputs
             elif found_inf is not None:
                 out = _step_with_found_inf(opt, found_inf, wrapped, args, kwargs)
             elif inputs is None:
@@ -201,13 +240,14 @@ class PatchedMethods:
             else:
                 with step_inputs(inputs):
                     out = wrapped(*args, **kwargs)
-        if len(masters):
-            if inputs is None:
-                masters.copy_to_model(record.stepped_params())
-            else:
-                masters.mark_written(record.master_models())  # the step inputs' model params
-            masters.release_grads()
         return out
+
+    def _copy_to_model(self, opt: Any, args: tuple, kwargs: dict) -> None:
+        """The first step post-hook: the master-to-model copy a step owes, before any other
+        hook runs."""
+        if self._copy_pending:
+            self._copy_pending = False
+            self._record.masters.copy_to_model(self._record.stepped_params())
 
     def _zero_grad(self, wrapped, instance, args, kwargs):
         record = self._record
