@@ -388,3 +388,39 @@ def test_add_param_group_stores_the_callers_dict_and_refuses_as_torch(level):
         opt.add_param_group({"lr": 0.1})
     if level is not None:
         amp.deinitialize()
+
+
+@pytest.mark.parametrize("make, key", [
+    (lambda ps: torch.optim.AdamW(ps, lr=0.1), "exp_avg"),
+    (lambda ps: FusedAdam(ps, lr=0.1), "exp_avg"),
+    (lambda ps: FusedAdam(ps, lr=0.1), "exp_avg_sq"),
+    (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9), "momentum_buffer"),
+    (lambda ps: FusedNovoGrad(ps, lr=0.1), "exp_avg_sq"),
+], ids=["torch-AdamW", "FusedAdam-m", "FusedAdam-v", "FusedSGD", "FusedNovoGrad"])
+def test_load_state_dict_hooks_work_as_torchs(make, key):
+    """What a pre-hook returns is what loads, and a post-hook sees the loaded state and keeps
+    its edits, also for the state a fused optimizer keeps in its saved dtype."""
+    p = _param()
+    opt = make([p])
+    opt.step()
+    saved = opt.state_dict()
+
+    def zeroed(o, state_dict):
+        state = {i: {k: torch.zeros_like(v) if k == key else v for k, v in s.items()}
+                 for i, s in state_dict["state"].items()}
+        return {**state_dict, "state": state}
+
+    seen = []
+
+    def edit(o):
+        seen.append(o.state[p][key].abs().sum().item())
+        o.state[p][key].fill_(7.0)
+
+    opt.register_load_state_dict_pre_hook(zeroed)
+    opt.register_load_state_dict_post_hook(edit)
+    opt.load_state_dict(saved)
+    assert seen == [0.0]
+    assert torch.equal(opt.state[p][key], torch.full_like(opt.state[p][key], 7.0))
+    # the fused optimizers' own hooks lived for the call only
+    assert list(opt._optimizer_load_state_dict_pre_hooks.values()) == [zeroed]
+    assert list(opt._optimizer_load_state_dict_post_hooks.values()) == [edit]

@@ -171,6 +171,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         ``torch.optim.Optimizer.load_state_dict`` casts floating state to each
         param's dtype, which would round fp32 moments and masters of half
         params to half; the keys in ``_KEEP_SAVED_DTYPE`` are restored as saved.
+        The load state-dict hooks work as torch's: the restoring reads the dict
+        the pre-hooks made, and runs before the post-hooks, which see the state
+        as loaded and keep what they change.
 
         Args:
             state_dict (dict): from :meth:`state_dict`.
@@ -182,9 +185,22 @@ class FusedOptimizer(torch.optim.Optimizer):
             torch.float32
         """
         self.forget_kept_batches()
-        saved = state_dict["state"]
         flat = [p for group in self.param_groups for p in group["params"]]
-        super().load_state_dict(state_dict)
+        loaded: list[dict[str, Any]] = []
+        # Registered for this call only: the last pre-hook and the first post-hook.
+        last_pre = self.register_load_state_dict_pre_hook(lambda _, sd: loaded.append(sd))
+        first_post = self.register_load_state_dict_post_hook(
+            lambda _: self._restore_saved_dtypes(loaded[-1], flat), prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            last_pre.remove()
+            first_post.remove()
+
+    def _restore_saved_dtypes(self, state_dict: dict[str, Any], flat: list[Tensor]) -> None:
+        """Set the state that keeps its saved dtype (see :meth:`load_state_dict`) from
+        ``state_dict``, whose params are ``flat`` in order."""
+        saved = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for param_id, p in zip(saved_ids, flat):
             entry = saved.get(param_id, {})
