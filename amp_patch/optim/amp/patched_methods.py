@@ -124,7 +124,8 @@ class PatchedMethods:
         self._patch("add_param_group", self._add_param_group)
         opt = self._record.optimizer
         hooks = getattr(opt, "_optimizer_step_post_hooks", None)
-        if isinstance(hooks, collections.OrderedDict):  # torch's registry (a LARC has none)
+        # Only where masters are copied (torch's registry; a LARC has none).
+        if self._record.master_weights and isinstance(hooks, collections.OrderedDict):
             # Runs first among the step post-hooks, so that every hook (an EMA, a weight
             # clamp) sees and writes the model as it is after the step, as without amp.
             self._post_hook = opt.register_step_post_hook(self._copy_to_model)
