@@ -214,7 +214,7 @@ class PatchedMethods:
         copies = inputs is None or (flag_in_inputs and inputs.model_params is None)
         self._copy_pending = copies and bool(len(masters))
         try:
-            out = self._call(wrapped, instance, args, kwargs, inputs, found_inf, flag_in_inputs)
+            out = self._call(wrapped, instance, args, kwargs, inputs, found_inf, step_inputs)
         finally:
             copy_owed, self._copy_pending = self._copy_pending, False
         if len(masters):
@@ -225,13 +225,13 @@ class PatchedMethods:
             masters.release_grads()
         return out
 
-    def _call(self, wrapped, instance, args, kwargs, inputs, found_inf, flag_in_inputs):
+    def _call(self, wrapped, instance, args, kwargs, inputs, found_inf, step_inputs):
         """The optimizer's own step, in the step context, with the overflow flag and the step
-        inputs where it takes them."""
+        inputs (``step_inputs``: the optimizer's context for them, or None) where it takes
+        them."""
         opt = self._record.optimizer
-        step_inputs = getattr(opt, STEP_INPUTS, None)
         with self._step_context():
-            if flag_in_inputs:
+            if found_inf is not None and callable(step_inputs):
                 with step_inputs(inputs or FusedStepInputs(found_inf=found_inf)):
                     out = wrapped(*args, **kwargs)
             elif found_inf is not None:
